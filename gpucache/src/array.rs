@@ -1,0 +1,243 @@
+//! [`Array`]: an owned n-d buffer on a device, allocated through the current scope's cache.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem;
+use std::slice;
+
+use crate::backend::{self, Block};
+use crate::cache::{self, Home, Request, Take};
+use crate::{DType, Device, Element, Error, Result, Shape, registry, scope};
+
+/// An owned n-d array of `T` on a [`Device`].
+///
+/// Inside a scope (see [`enter`](crate::enter)) its buffer comes from, and goes back to, the
+/// scope's cache; outside any scope it is allocated from the device and freed when it drops.
+/// Dropping an array returns its buffer to the cache it came from, from whichever thread drops
+/// it, and a buffer is never handed to a second array while the first is alive.
+///
+/// Zero-size arrays own no memory and never touch a cache.
+///
+/// ```
+/// use gpucache::{Array, Device};
+/// let mut a = Array::<f32>::zeros(Device::Cpu, [2, 3])?;
+/// a.as_mut_slice()?[4] = 7.0;
+/// assert_eq!(a.to_vec()?, [0.0, 0.0, 0.0, 0.0, 7.0, 0.0]);
+/// let b = Array::from_slice(Device::Cpu, &[1u8, 2, 3], 3)?;
+/// assert_eq!((b.len(), b.num_bytes(), b.shape().dims()), (3, 3, &[3][..]));
+/// # Ok::<(), gpucache::Error>(())
+/// ```
+pub struct Array<T: Element> {
+    /// `None` for zero-size arrays.
+    block: Option<Block>,
+    /// `None` when not allocated through a cache.
+    home: Option<Home>,
+    shape: Shape,
+    len: usize,
+    device: Device,
+    _elem: PhantomData<T>,
+}
+
+/// How a new array's contents must start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Init {
+    /// All zero.
+    Zeroed,
+    /// Anything valid for `T`.
+    Any,
+    /// About to be overwritten entirely.
+    Overwritten,
+}
+
+impl<T: Element> Array<T> {
+    /// An array of `shape` on `device`, every element zero.
+    ///
+    /// # Errors
+    /// [`Error::ShapeOverflow`] when the shape's size overflows, [`Error::OutOfMemory`] when the
+    /// device has no room even after releasing cached buffers, and the device's own errors.
+    pub fn zeros(device: Device, shape: impl Into<Shape>) -> Result<Self> {
+        Self::alloc(device, shape.into(), Init::Zeroed)
+    }
+
+    /// An array of `shape` on `device` whose contents are unspecified but initialised: a
+    /// recycled buffer keeps what its last array left in it, a new one is zeroed. Never
+    /// undefined behaviour to read (`bool` arrays, for which not every byte is valid, are always
+    /// zeroed).
+    ///
+    /// # Errors
+    /// As [`Array::zeros`].
+    pub fn empty(device: Device, shape: impl Into<Shape>) -> Result<Self> {
+        Self::alloc(device, shape.into(), Init::Any)
+    }
+
+    /// An array of `shape` on `device` holding a copy of `data` (in row-major order).
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] when `data.len()` is not the shape's number of elements, and
+    /// the errors of [`Array::zeros`].
+    pub fn from_slice(device: Device, data: &[T], shape: impl Into<Shape>) -> Result<Self> {
+        let shape = shape.into();
+        let expected = shape.numel()?;
+        if expected != data.len() {
+            return Err(Error::LengthMismatch {
+                dims: shape.dims().to_vec(),
+                expected,
+                got: data.len(),
+            });
+        }
+        let mut array = Self::alloc(device, shape, Init::Overwritten)?;
+        if let Some(block) = &mut array.block {
+            block.write(as_bytes(data))?;
+        }
+        Ok(array)
+    }
+
+    fn alloc(device: Device, shape: Shape, init: Init) -> Result<Self> {
+        let bytes = shape.byte_len(T::DTYPE)?;
+        let len = bytes / mem::size_of::<T>();
+        let mut array = Array {
+            block: None,
+            home: None,
+            shape,
+            len,
+            device,
+            _elem: PhantomData,
+        };
+        if bytes == 0 {
+            backend::check_device(device)?;
+            return Ok(array);
+        }
+        let zero = init == Init::Zeroed || (init == Init::Any && !T::ANY_BIT_PATTERN);
+        let req = Request {
+            dtype: T::DTYPE,
+            dims: array.shape.dims(),
+            device,
+            bytes,
+        };
+        let (block, home, recycled) = scope::with_current(|cache| match cache {
+            None => registry::alloc_block(device, bytes, zero).map(|b| (b, None, false)),
+            Some(cache) => match cache.take(&req) {
+                Take::Hit(block, home) => Ok((block, Some(home), true)),
+                Take::Miss { capacity } => {
+                    let block = registry::alloc_block(device, capacity, zero)?;
+                    let home = cache.adopt(&req, &block);
+                    Ok((block, Some(home), false))
+                }
+            },
+        })?;
+        array.home = home;
+        let block = array.block.insert(block);
+        if recycled && zero {
+            // On failure `array` drops and the buffer goes home.
+            block.zero(bytes)?;
+        }
+        Ok(array)
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the array has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+
+    /// The device the array lives on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The size of the elements in bytes (`len() * size_of::<T>()`; the buffer may be larger
+    /// under [`KeyPolicy::SizeClass`](crate::KeyPolicy::SizeClass)).
+    pub fn num_bytes(&self) -> usize {
+        self.len * mem::size_of::<T>()
+    }
+
+    /// The elements, for an array in host memory.
+    ///
+    /// # Errors
+    /// [`Error::NotHostAccessible`] for an array in device memory.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        let Some(block) = &self.block else {
+            return Ok(&[]);
+        };
+        let host = block.host().ok_or(self.not_host())?;
+        // SAFETY: the buffer is host memory aligned to 64 bytes (>= align_of::<T>()), holds at
+        // least `len * size_of::<T>()` bytes, is initialised (zeroed when allocated, then only
+        // written with whole `Element` values; types that not every bit pattern is valid for
+        // are zeroed or overwritten on every hand-out) and is owned by this array, so the
+        // borrow of `self` keeps it alive and unaliased by writers.
+        Ok(unsafe { slice::from_raw_parts(host.ptr().as_ptr().cast::<T>(), self.len) })
+    }
+
+    /// The elements, mutable, for an array in host memory.
+    ///
+    /// # Errors
+    /// [`Error::NotHostAccessible`] for an array in device memory.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        let not_host = self.not_host();
+        let len = self.len;
+        let Some(block) = &mut self.block else {
+            return Ok(&mut []);
+        };
+        let host = block.host().ok_or(not_host)?;
+        // SAFETY: as in `as_slice`; the exclusive borrow of `self` makes this the only access.
+        Ok(unsafe { slice::from_raw_parts_mut(host.ptr().as_ptr().cast::<T>(), len) })
+    }
+
+    /// A copy of the elements in a `Vec`.
+    ///
+    /// # Errors
+    /// The device's errors while copying.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        Ok(self.as_slice()?.to_vec())
+    }
+
+    fn not_host(&self) -> Error {
+        Error::NotHostAccessible {
+            device: self.device,
+        }
+    }
+}
+
+impl<T: Element> Drop for Array<T> {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            match self.home.take() {
+                Some(home) => cache::release(home, block),
+                None => drop(block),
+            }
+        }
+    }
+}
+
+impl<T: Element> fmt::Debug for Array<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Array")
+            .field("dtype", &T::DTYPE)
+            .field("shape", &self.shape)
+            .field("device", &self.device)
+            .field("cached", &self.home.is_some())
+            .finish()
+    }
+}
+
+/// The bytes of a slice of elements.
+fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
+    // SAFETY: `Element` types are plain values without padding, so every byte of an initialised
+    // `[T]` is an initialised `u8`; the length is the slice's size in bytes and the lifetime is
+    // the input's.
+    unsafe { slice::from_raw_parts(data.as_ptr().cast::<u8>(), mem::size_of_val(data)) }
+}

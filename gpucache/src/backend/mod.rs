@@ -1,0 +1,189 @@
+//! The backend boundary: where bytes come from and go back to.
+//!
+//! A backend allocates and frees device memory and knows nothing of caches or scopes. The cache
+//! moves [`Block`]s around; a `Block` owns its memory and the backend that made it, so it goes
+//! back to the right place from whichever thread drops it (RAII: dropping a `Block` frees it).
+//!
+//! Backends: [`cpu`] (64-byte aligned host memory, always built) and the counting, fault-injecting
+//! backend of [`crate::testing`]. Each device resolves to one backend per thread: the CPU backend
+//! unless a test installed another for `Device::Cpu` on this thread.
+
+pub(crate) mod cpu;
+
+use std::cell::RefCell;
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
+use std::sync::{Arc, LazyLock};
+
+use crate::{Device, Error, Result};
+
+/// Alignment of every host allocation, in bytes (a cache line, and enough for AVX-512 loads).
+pub(crate) const HOST_ALIGN: usize = 64;
+
+/// A source of device memory.
+pub(crate) trait Backend: Send + Sync + fmt::Debug {
+    /// Allocates `bytes > 0` bytes on `device`. Host memory is always returned zeroed (it must be
+    /// initialised to be read); `zeroed` asks a device backend to zero it too.
+    fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError>;
+    /// Gives memory made by [`Backend::alloc`] on `device` back.
+    fn free(&self, device: Device, storage: Storage);
+    /// Bytes this backend has handed out on `device` and not yet had back.
+    fn allocated_bytes(&self, device: Device) -> usize;
+}
+
+/// Why an allocation failed.
+#[derive(Debug)]
+pub(crate) enum AllocError {
+    /// The device has no room: the caller may release cached memory and retry.
+    OutOfMemory,
+    /// Anything else; retrying will not help.
+    #[allow(dead_code)] // produced by device backends
+    Other(Error),
+}
+
+/// Memory owned by a backend allocation.
+#[derive(Debug)]
+pub(crate) enum Storage {
+    /// Host memory.
+    Host(HostBuf),
+}
+
+/// An owned, [`HOST_ALIGN`]-aligned, initialised host allocation of `bytes > 0` bytes.
+#[derive(Debug)]
+pub(crate) struct HostBuf {
+    ptr: NonNull<u8>,
+    bytes: usize,
+}
+
+// SAFETY: a HostBuf uniquely owns its allocation, like a Box<[u8]>; it has no thread affinity and
+// shared references only hand out reads through `&self` methods.
+unsafe impl Send for HostBuf {}
+// SAFETY: as above; `&HostBuf` gives only the pointer, and writes need `&mut`.
+unsafe impl Sync for HostBuf {}
+
+impl HostBuf {
+    /// The start of the allocation.
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// A block of device memory: a [`Storage`] with its size, device and the backend that owns it.
+/// Dropping a block gives its memory back to that backend.
+pub(crate) struct Block {
+    storage: ManuallyDrop<Storage>,
+    bytes: usize,
+    device: Device,
+    backend: Arc<dyn Backend>,
+}
+
+impl Block {
+    /// Allocates a block of `bytes` on `device` from `backend`.
+    pub(crate) fn alloc(
+        backend: &Arc<dyn Backend>,
+        device: Device,
+        bytes: usize,
+        zeroed: bool,
+    ) -> Result<Block, AllocError> {
+        let storage = backend.alloc(device, bytes, zeroed)?;
+        Ok(Block {
+            storage: ManuallyDrop::new(storage),
+            bytes,
+            device,
+            backend: Arc::clone(backend),
+        })
+    }
+
+    /// The capacity in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The host allocation, when the memory is host memory.
+    pub(crate) fn host(&self) -> Option<&HostBuf> {
+        match &*self.storage {
+            Storage::Host(h) => Some(h),
+        }
+    }
+
+    /// Sets the first `bytes` bytes to zero.
+    pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
+        debug_assert!(bytes <= self.bytes);
+        match &mut *self.storage {
+            Storage::Host(h) => {
+                // SAFETY: `h` owns `self.bytes >= bytes` writable bytes and we hold `&mut self`,
+                // so nothing else reads or writes them meanwhile.
+                unsafe { h.ptr.as_ptr().write_bytes(0, bytes) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies `src` to the start of the block.
+    pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
+        debug_assert!(src.len() <= self.bytes);
+        match &mut *self.storage {
+            Storage::Host(h) => {
+                // SAFETY: the destination owns `self.bytes >= src.len()` bytes, is exclusively
+                // borrowed through `&mut self`, and cannot overlap `src`, a shared borrow of
+                // other memory.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), h.ptr.as_ptr(), src.len());
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        // SAFETY: `storage` is taken exactly once, here, and `self` is never used again.
+        let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
+        self.backend.free(self.device, storage);
+    }
+}
+
+impl fmt::Debug for Block {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Block")
+            .field("bytes", &self.bytes)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+static CPU: LazyLock<Arc<dyn Backend>> = LazyLock::new(|| Arc::new(cpu::CpuBackend::default()));
+
+thread_local! {
+    /// A backend installed for `Device::Cpu` on this thread by `testing::use_backend`.
+    static CPU_OVERRIDE: RefCell<Option<Arc<dyn Backend>>> = const { RefCell::new(None) };
+}
+
+/// The backend that serves `device` on this thread.
+pub(crate) fn resolve(device: Device) -> Result<Arc<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(CPU_OVERRIDE
+            .try_with(|o| o.borrow().clone())
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| Arc::clone(&CPU))),
+        Device::Cuda(_) => Err(Error::CudaNotEnabled { device }),
+    }
+}
+
+/// Checks that `device` can be used in this build and on this machine.
+pub(crate) fn check_device(device: Device) -> Result<()> {
+    resolve(device).map(drop)
+}
+
+/// Installs `backend` for `Device::Cpu` on this thread; returns the one it replaces.
+pub(crate) fn set_cpu_override(backend: Option<Arc<dyn Backend>>) -> Option<Arc<dyn Backend>> {
+    CPU_OVERRIDE.try_with(|o| o.replace(backend)).ok().flatten()
+}

@@ -1,0 +1,93 @@
+//! [`CacheConfig`], [`Reuse`] and [`KeyPolicy`]: the options of one named cache.
+
+/// The options of one named cache, set with [`configure`](crate::configure).
+///
+/// ```
+/// use gpucache::{CacheConfig, KeyPolicy, Reuse};
+/// gpucache::configure("infer", CacheConfig {
+///     reuse: Reuse::Immediate,
+///     key: KeyPolicy::SizeClass,
+///     max_cached_bytes: Some(256 << 20),
+/// });
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CacheConfig {
+    /// When a dropped array's buffer may be handed out again.
+    pub reuse: Reuse,
+    /// Which arrays may share a buffer.
+    pub key: KeyPolicy,
+    /// The most bytes this cache keeps in its free lists; beyond it the least recently freed
+    /// buffers go back to the device. `None` (the default) keeps everything until
+    /// [`invalidate`](crate::invalidate).
+    pub max_cached_bytes: Option<usize>,
+}
+
+/// When the buffer of an array dropped inside a scope becomes free for reuse.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Reuse {
+    /// When the outermost active entry of the cache exits, so it is recycled on re-entry (the
+    /// default; every buffer of one step stays distinct within the step).
+    #[default]
+    OnExit,
+    /// As soon as its array drops: a later allocation in the same scope can get it (lower peak
+    /// memory).
+    Immediate,
+}
+
+/// Which arrays may share a buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KeyPolicy {
+    /// Arrays of the same element type, shape and device (the default).
+    #[default]
+    Exact,
+    /// Arrays whose byte sizes round up to the same size class, on the same device, whatever
+    /// their shape and element type; the logical shape stays on the array. Classes are 512 bytes
+    /// and below, then four per power of two (`2^k`, `1.25·2^k`, `1.5·2^k`, `1.75·2^k`), so at
+    /// most a quarter of a buffer is slack. For loops whose shapes vary from step to step.
+    SizeClass,
+}
+
+impl KeyPolicy {
+    /// The capacity of the buffer this policy gives an array of `bytes > 0` bytes.
+    pub(crate) fn capacity(self, bytes: usize) -> usize {
+        match self {
+            KeyPolicy::Exact => bytes,
+            KeyPolicy::SizeClass => size_class(bytes),
+        }
+    }
+}
+
+/// Rounds `bytes > 0` up to its size class (see [`KeyPolicy::SizeClass`]).
+pub(crate) fn size_class(bytes: usize) -> usize {
+    const MIN: usize = 512;
+    if bytes <= MIN {
+        return MIN;
+    }
+    // The highest set bit of bytes - 1 gives the power of two just below; a quarter of it is the
+    // step between classes.
+    let top = usize::BITS - 1 - (bytes - 1).leading_zeros();
+    let step = 1usize << (top - 2);
+    bytes.div_ceil(step).checked_mul(step).unwrap_or(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_class;
+
+    #[test]
+    fn size_classes_are_quarter_steps() {
+        assert_eq!(size_class(1), 512);
+        assert_eq!(size_class(512), 512);
+        assert_eq!(size_class(513), 640);
+        assert_eq!(size_class(640), 640);
+        assert_eq!(size_class(641), 768);
+        assert_eq!(size_class(1000), 1024);
+        assert_eq!(size_class(1024), 1024);
+        assert_eq!(size_class(1025), 1280);
+        assert_eq!(size_class(3 << 20), 3 << 20);
+        for b in [513usize, 4097, 1 << 20, (1 << 20) + 1, 123_456_789] {
+            let c = size_class(b);
+            assert!(c >= b && (c - b) * 4 <= c, "{b} -> {c}");
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! [`Error`] and [`Result`]: everything that can go wrong, typed, with messages a person can act on.
+
+use crate::{DType, Device};
+
+/// The result type of every fallible gpucache operation.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong.
+///
+/// Bad input (a shape whose size overflows, data of the wrong length), a device that is not there
+/// and a device that is out of memory are all reported through this type; gpucache never panics or
+/// aborts on them and never loses memory when it returns one.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The number of elements or bytes of a shape does not fit in `usize` (or exceeds
+    /// `isize::MAX` bytes, the most any Rust allocation or slice can hold).
+    #[error(
+        "shape {dims:?} of {dtype} is too large: its size in bytes overflows the address space \
+         (at most isize::MAX bytes); check the dimensions"
+    )]
+    ShapeOverflow {
+        /// The dimensions that were asked for.
+        dims: Vec<usize>,
+        /// The element type.
+        dtype: DType,
+    },
+
+    /// `Array::from_slice` got a slice whose length is not the shape's number of elements.
+    #[error(
+        "data has {got} elements but shape {dims:?} holds {expected}; pass a slice of exactly \
+         {expected} elements or change the shape"
+    )]
+    LengthMismatch {
+        /// The dimensions that were asked for.
+        dims: Vec<usize>,
+        /// The number of elements the shape holds.
+        expected: usize,
+        /// The number of elements that were given.
+        got: usize,
+    },
+
+    /// The device could not provide the memory, even after gpucache released every cached
+    /// buffer it could (this thread's caches for the device, then every other thread's) and
+    /// retried once.
+    #[error(
+        "out of memory on {device}: could not allocate {requested} bytes after releasing cached \
+         buffers and retrying; gpucache still holds {in_use} bytes in use by live arrays and \
+         {cached} bytes cached in scopes active on other threads. Drop arrays you no longer need, \
+         call gpucache::invalidate for caches you are done with, or use smaller batches"
+    )]
+    OutOfMemory {
+        /// The device that ran out.
+        device: Device,
+        /// The number of bytes that were asked for.
+        requested: usize,
+        /// Bytes still sitting in free lists that could not be released (caches held active by
+        /// a scope on another thread).
+        cached: usize,
+        /// Bytes gpucache has allocated on the device that are not in any free list: owned by
+        /// live arrays, or dropped inside a scope that has not exited yet.
+        in_use: usize,
+    },
+
+    /// A CUDA device was asked for but this build of gpucache has no CUDA backend.
+    #[error(
+        "{device} is not available: gpucache was built without its `cuda` feature; enable it \
+         (gpucache = {{ features = [\"cuda\"] }}) or use Device::Cpu"
+    )]
+    CudaNotEnabled {
+        /// The device that was asked for.
+        device: Device,
+    },
+
+    /// The array lives in device memory that the host cannot address.
+    #[error(
+        "the array lives on {device}, whose memory the host cannot read or write directly; copy \
+         it with to_vec() or use the device's own API"
+    )]
+    NotHostAccessible {
+        /// The array's device.
+        device: Device,
+    },
+}

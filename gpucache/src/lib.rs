@@ -1,0 +1,121 @@
+//! # gpucache
+//!
+//! Scoped, named, thread-local allocation caches for device arrays, so that after the first
+//! step of a training or inference loop no device allocation happens at all.
+//!
+//! A step is marked as a named *scope*. Inside it, every [`Array`] allocation goes through the
+//! thread's cache of that name: buffers are keyed by (element type, shape, device) into free
+//! lists, and the buffers of arrays dropped during the step become free when the scope exits,
+//! to be recycled when it is entered again. [`invalidate`] gives the memory back (between
+//! epochs, say).
+//!
+//! ```
+//! use gpucache::prelude::*;
+//!
+//! fn train_step(dev: Device, x: &Array<f32>) -> gpucache::Result<f32> {
+//!     let _scope = gpucache::enter("train_step");
+//!     let mut h = Array::<f32>::zeros(dev, [x.shape().dims()[0], 16])?; // recycled on re-entry
+//!     for (hi, xi) in h.as_mut_slice()?.iter_mut().zip(x.as_slice()?.iter().cycle()) {
+//!         *hi = xi.max(0.0);
+//!     }
+//!     Ok(h.as_slice()?.iter().sum())
+//! }
+//!
+//! let dev = Device::Cpu;
+//! let x = Array::from_slice(dev, &[1.0f32, -2.0, 3.0, -4.0], [4, 1])?;
+//! for _epoch in 0..2 {
+//!     for _batch in 0..10 {
+//!         train_step(dev, &x)?;
+//!     }
+//!     let s = gpucache::stats("train_step");
+//!     assert_eq!(s.misses, 1); // one buffer, allocated once, recycled 9 times
+//!     println!("{s}");
+//!     gpucache::invalidate("train_step"); // give the memory back between epochs
+//!     assert_eq!(gpucache::stats("train_step").bytes_cached, 0);
+//!     gpucache::configure("train_step", Default::default()); // (counters are kept)
+//!     # break;
+//! }
+//! # Ok::<(), gpucache::Error>(())
+//! ```
+//!
+//! ## Semantics
+//!
+//! * **Outside any scope** arrays are allocated from the device and freed when they drop.
+//! * **Scopes** ([`enter`], and the `cache_scope` macros) make a cache the thread's current one;
+//!   the innermost wins, scopes nest, a name may be entered recursively, and the previous scope
+//!   is restored on every exit, panics unwinding included.
+//! * **Inside a scope** an allocation pops a free buffer of its key (a *hit*) or allocates from
+//!   the device (a *miss*); either way the buffer is *busy*.
+//! * **Reuse.** Under [`Reuse::OnExit`] (the default) the buffer of an array dropped inside the
+//!   scope becomes free when the outermost active entry of that cache exits; under
+//!   [`Reuse::Immediate`] as soon as the array drops.
+//! * **Escaping arrays** (returned, stored, sent to another thread) stay busy while they live
+//!   and go back to their home cache's free list when they drop, from any thread. A buffer is
+//!   never handed to a second array while the first is alive.
+//! * **[`invalidate`]** frees the free lists and starts a new generation: buffers of arrays
+//!   still alive are freed, not cached, when they drop. [`empty_cache`] frees every free list of
+//!   every thread.
+//! * **Caches are per thread**: two threads using the name `train_step` have two caches, and
+//!   the hit path takes no lock another thread contends for.
+//! * **Out of memory**: a failed device allocation releases cached buffers (this thread's caches
+//!   for the device, then every thread's) and retries once, then returns
+//!   [`Error::OutOfMemory`].
+//!
+//! ## Decisions where the design was silent
+//!
+//! * Zero-size arrays own no memory and never touch a cache (no hit, no miss).
+//! * `bytes_in_use` counts buffers handed out and not yet free, including those dropped inside
+//!   a scope that has not exited; `peak_bytes` is the peak of `bytes_in_use + bytes_cached`.
+//! * A thread that exits closes its caches: their free buffers go back to the device, and its
+//!   arrays still alive elsewhere are freed when they drop.
+//! * Another thread's cache that is inside a scope when [`empty_cache`] (or out-of-memory
+//!   recovery) runs is released when that scope exits, not at once.
+//! * Changing a cache's [`KeyPolicy`] with [`configure`] invalidates it.
+//! * [`Element`] is sealed: buffers are shared between element types under
+//!   [`KeyPolicy::SizeClass`], which is sound only for plain types.
+//! * Host memory is always initialised (new buffers are zeroed), so [`Array::empty`] is never
+//!   undefined behaviour to read.
+//!
+//! ## Testing code that uses gpucache
+//!
+//! [`testing::CountingBackend`] counts allocations and frees and fails allocations on demand.
+
+#![warn(missing_docs)]
+
+mod array;
+mod backend;
+mod cache;
+mod config;
+mod device;
+mod dtype;
+mod error;
+mod registry;
+mod scope;
+mod shape;
+mod stats;
+pub mod testing;
+
+pub use array::Array;
+pub use config::{CacheConfig, KeyPolicy, Reuse};
+pub use device::Device;
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use registry::{configure, empty_cache, invalidate, stats, summary};
+pub use scope::{ScopeGuard, current_scope, enter};
+pub use shape::Shape;
+pub use stats::CacheStats;
+
+/// The names most programs need: `use gpucache::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        Array, CacheConfig, DType, Device, Element, Error, KeyPolicy, Result, Reuse, Shape,
+        invalidate, stats,
+    };
+}
+
+/// What the macros expand to. Not part of the public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::scope::{ScopeGuard, enter};
+}

@@ -1,0 +1,130 @@
+//! Scopes: the thread's stack of entered caches, [`enter`] and [`ScopeGuard`].
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr;
+use std::sync::Arc;
+
+use crate::cache::CacheCell;
+use crate::registry;
+
+thread_local! {
+    /// The innermost entered cache, or null. Read on every allocation, so it is a plain `Cell`
+    /// with a const initialiser and no destructor.
+    static CURRENT: Cell<*const CacheCell> = const { Cell::new(ptr::null()) };
+    /// Every entered cache, innermost last. Each entry is kept alive by its `ScopeGuard`.
+    static STACK: RefCell<Vec<*const CacheCell>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Enters the calling thread's cache `name` until the returned guard drops.
+///
+/// Array allocations on this thread then go through that cache (the innermost entered scope
+/// wins). Scopes nest, and one name may be entered recursively: the cache's outermost entry
+/// decides when buffers dropped inside become free again (see [`Reuse`](crate::Reuse)).
+/// Dropping the guard exits the scope, on a normal exit, an early return, `?` and a panic
+/// unwinding alike.
+///
+/// The name is looked up once here, not on every allocation.
+///
+/// ```
+/// use gpucache::{Array, Device};
+/// for _ in 0..3 {
+///     let _scope = gpucache::enter("step");
+///     let x = Array::<f32>::zeros(Device::Cpu, [64, 64])?;
+///     assert_eq!(x.len(), 4096);
+/// } // the buffer is free again here, and recycled on the next entry
+/// let s = gpucache::stats("step");
+/// assert_eq!((s.misses, s.hits), (1, 2));
+/// # Ok::<(), gpucache::Error>(())
+/// ```
+pub fn enter(name: &str) -> ScopeGuard {
+    let Some(cell) = registry::cell(name) else {
+        // The thread is being torn down: allocate without a cache.
+        return ScopeGuard {
+            cell: None,
+            _not_send: PhantomData,
+        };
+    };
+    cell.enter();
+    let top = Arc::as_ptr(&cell);
+    // While the stack is gone (thread teardown), the scope still holds `CURRENT`.
+    let _ = STACK.try_with(|s| s.borrow_mut().push(top));
+    CURRENT.set(top);
+    ScopeGuard {
+        cell: Some(cell),
+        _not_send: PhantomData,
+    }
+}
+
+/// An entered scope; dropping it exits the scope. Made by [`enter`] (and the `cache_scope`
+/// macros). It stays on the thread that made it.
+#[must_use = "the scope exits when the guard is dropped; bind it with `let _scope = ...`"]
+pub struct ScopeGuard {
+    cell: Option<Arc<CacheCell>>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ScopeGuard {
+    /// The name of the entered cache (`None` if the guard was made during thread teardown and
+    /// holds no scope).
+    pub fn name(&self) -> Option<&str> {
+        self.cell.as_deref().map(CacheCell::name)
+    }
+}
+
+impl fmt::Debug for ScopeGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ScopeGuard")
+            .field("name", &self.name())
+            .finish()
+    }
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        let Some(cell) = self.cell.take() else {
+            return;
+        };
+        let this = Arc::as_ptr(&cell);
+        // Guards normally drop innermost first; one dropped out of order removes its own entry.
+        let top = STACK
+            .try_with(|s| {
+                let mut s = s.borrow_mut();
+                if let Some(i) = s.iter().rposition(|&p| p == this) {
+                    s.remove(i);
+                }
+                s.last().copied().unwrap_or(ptr::null())
+            })
+            .unwrap_or(ptr::null());
+        CURRENT.set(top);
+        cell.exit();
+    }
+}
+
+/// The name of the innermost scope entered on this thread, if any.
+///
+/// ```
+/// assert_eq!(gpucache::current_scope(), None);
+/// let _outer = gpucache::enter("outer");
+/// {
+///     let _inner = gpucache::enter("inner");
+///     assert_eq!(gpucache::current_scope().as_deref(), Some("inner"));
+/// }
+/// assert_eq!(gpucache::current_scope().as_deref(), Some("outer"));
+/// ```
+pub fn current_scope() -> Option<String> {
+    with_current(|cell| cell.map(|c| c.name().to_owned()))
+}
+
+/// Runs `f` with the innermost entered cache of this thread (`None` outside any scope, or once
+/// the cache is closed by thread teardown).
+pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
+    let ptr = CURRENT.get();
+    // SAFETY: a non-null `CURRENT` is the innermost entry of `STACK` (or the last entered cache
+    // during teardown), whose `ScopeGuard` holds an `Arc` to it and is still alive: guards are
+    // `!Send`, and a guard dropping resets `CURRENT` before it releases its `Arc`. `f` is crate
+    // code that enters and exits no scope.
+    let cell = unsafe { ptr.as_ref() };
+    f(cell.filter(|c| !c.is_closed()))
+}

@@ -1,0 +1,165 @@
+//! [`Shape`]: the dimensions of an array, stored inline up to rank 4, with checked products.
+
+use std::fmt;
+
+use smallvec::SmallVec;
+
+use crate::{DType, Error, Result};
+
+/// The dimensions of an n-d array.
+///
+/// Up to four dimensions are stored inline (no heap allocation). A shape of rank 0 is a scalar
+/// holding one element; a shape with a zero dimension holds none. Products are checked: a shape
+/// whose size overflows is reported as [`Error::ShapeOverflow`] when an array is made from it,
+/// never a panic.
+///
+/// ```
+/// use gpucache::Shape;
+/// let s = Shape::from([2, 3, 4]);
+/// assert_eq!(s.dims(), &[2, 3, 4]);
+/// assert_eq!(s.numel().unwrap(), 24);
+/// assert_eq!(Shape::from(7).dims(), &[7]);
+/// assert!(Shape::from([usize::MAX, 2]).numel().is_err());
+/// ```
+#[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Shape {
+    dims: SmallVec<[usize; 4]>,
+}
+
+impl Shape {
+    /// The shape of a scalar: rank 0, one element.
+    pub fn scalar() -> Shape {
+        Shape::default()
+    }
+
+    /// The dimensions, outermost first.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// The number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.dims.len()
+    }
+
+    /// The number of elements: the product of the dimensions (1 for a scalar).
+    ///
+    /// # Errors
+    /// [`Error::ShapeOverflow`] when the product does not fit in `usize`.
+    pub fn numel(&self) -> Result<usize> {
+        self.checked_numel().ok_or_else(|| self.overflow(DType::U8))
+    }
+
+    /// The size in bytes of an array of this shape and `dtype`, checked against `isize::MAX`
+    /// (the most one allocation may hold).
+    pub(crate) fn byte_len(&self, dtype: DType) -> Result<usize> {
+        self.checked_numel()
+            .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| self.overflow(dtype))
+    }
+
+    fn checked_numel(&self) -> Option<usize> {
+        self.dims
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    fn overflow(&self, dtype: DType) -> Error {
+        Error::ShapeOverflow {
+            dims: self.dims.to_vec(),
+            dtype,
+        }
+    }
+}
+
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(dims: [usize; N]) -> Shape {
+        Shape {
+            dims: SmallVec::from_slice(&dims),
+        }
+    }
+}
+
+impl<const N: usize> From<&[usize; N]> for Shape {
+    fn from(dims: &[usize; N]) -> Shape {
+        Shape::from(&dims[..])
+    }
+}
+
+impl From<&[usize]> for Shape {
+    fn from(dims: &[usize]) -> Shape {
+        Shape {
+            dims: SmallVec::from_slice(dims),
+        }
+    }
+}
+
+impl From<Vec<usize>> for Shape {
+    fn from(dims: Vec<usize>) -> Shape {
+        Shape {
+            dims: SmallVec::from_vec(dims),
+        }
+    }
+}
+
+impl From<usize> for Shape {
+    fn from(len: usize) -> Shape {
+        Shape::from([len])
+    }
+}
+
+impl From<&Shape> for Shape {
+    fn from(shape: &Shape) -> Shape {
+        shape.clone()
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.dims.iter()).finish()
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalar_has_one_element_and_zero_dims_none() {
+        assert_eq!(Shape::scalar().numel().unwrap(), 1);
+        assert_eq!(Shape::from([3, 0, 5]).numel().unwrap(), 0);
+    }
+
+    #[test]
+    fn byte_len_is_checked_against_isize_max() {
+        let half = (isize::MAX as usize) / 2 + 1;
+        assert!(Shape::from(half).byte_len(DType::U8).is_ok());
+        assert!(matches!(
+            Shape::from(half).byte_len(DType::U16),
+            Err(Error::ShapeOverflow { .. })
+        ));
+        assert!(matches!(
+            Shape::from([usize::MAX, 2]).numel(),
+            Err(Error::ShapeOverflow { .. })
+        ));
+    }
+
+    #[test]
+    fn conversions_agree() {
+        let a = Shape::from([2usize, 3]);
+        assert_eq!(a, Shape::from(&[2usize, 3][..]));
+        assert_eq!(a, Shape::from(vec![2, 3]));
+        assert_eq!(a, Shape::from(&[2usize, 3]));
+        assert_eq!(format!("{a}"), "[2, 3]");
+        let big = Shape::from([1usize, 2, 3, 4, 5, 6]);
+        assert_eq!(big.rank(), 6);
+        assert_eq!(big.numel().unwrap(), 720);
+    }
+}

@@ -1,0 +1,201 @@
+//! Tools for testing code that uses gpucache: a counting CPU backend that can be told to fail.
+//!
+//! [`CountingBackend`] serves `Device::Cpu` allocations on the threads where it is installed with
+//! [`use_backend`]. It counts allocations, frees and the bytes outstanding, so a test can check
+//! that nothing leaks, and it fails allocations on demand (the Nth, every Nth, or any that would
+//! exceed a byte limit) with an out-of-memory error, so out-of-memory recovery can be tested on
+//! any machine.
+//!
+//! ```
+//! use gpucache::testing::{CountingBackend, use_backend};
+//! use gpucache::{Array, Device, Error};
+//!
+//! let backend = CountingBackend::new();
+//! let _installed = use_backend(&backend);
+//! {
+//!     let _scope = gpucache::enter("doc-oom");
+//!     let _a = Array::<u8>::zeros(Device::Cpu, 1000)?;
+//! }
+//! assert_eq!(backend.outstanding_bytes(), 1000); // cached
+//!
+//! // Fail the next allocation and the retry after it: the cache is released, then an error.
+//! backend.fail_nth(1);
+//! backend.fail_nth(2);
+//! let err = Array::<u8>::zeros(Device::Cpu, 10).unwrap_err();
+//! assert!(matches!(err, Error::OutOfMemory { requested: 10, .. }));
+//! assert_eq!(backend.outstanding_bytes(), 0); // the cached buffer was released
+//! # Ok::<(), gpucache::Error>(())
+//! ```
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
+
+use parking_lot::Mutex;
+
+use crate::Device;
+use crate::backend::{self, AllocError, Backend, Storage, cpu::CpuBackend};
+
+/// A CPU backend that counts what it does and fails allocations on demand. See the
+/// [module docs](self).
+#[derive(Default)]
+pub struct CountingBackend {
+    host: CpuBackend,
+    attempts: AtomicU64,
+    allocs: AtomicU64,
+    frees: AtomicU64,
+    failures: AtomicU64,
+    outstanding_bytes: AtomicUsize,
+    plan: Mutex<FailPlan>,
+}
+
+#[derive(Default)]
+struct FailPlan {
+    /// Attempt numbers (1-based, counted from the backend's creation) that fail.
+    at: Vec<u64>,
+    /// Fail every attempt whose number is a multiple of this (0: off).
+    every: u64,
+    /// Fail attempts that would take the outstanding bytes over this.
+    limit: Option<usize>,
+}
+
+impl CountingBackend {
+    /// A new backend that fails nothing.
+    pub fn new() -> Arc<CountingBackend> {
+        Arc::new(CountingBackend::default())
+    }
+
+    /// Makes the `n`th allocation attempt from now fail (`n >= 1`; 1 is the next one). Calls
+    /// add up: `fail_nth(1); fail_nth(2)` fails the next two.
+    pub fn fail_nth(&self, n: u64) {
+        let at = self.attempts.load(SeqCst) + n.max(1);
+        self.plan.lock().at.push(at);
+    }
+
+    /// Makes every `n`th allocation attempt fail, counting from the backend's creation
+    /// (`0` turns it off).
+    pub fn fail_every(&self, n: u64) {
+        self.plan.lock().every = n;
+    }
+
+    /// Makes the backend behave as a device of `bytes` bytes: an allocation that would take the
+    /// outstanding bytes over it fails (`None`: no limit).
+    pub fn set_limit(&self, bytes: Option<usize>) {
+        self.plan.lock().limit = bytes;
+    }
+
+    /// Allocation attempts so far, failed ones included.
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(SeqCst)
+    }
+
+    /// Successful allocations so far.
+    pub fn allocs(&self) -> u64 {
+        self.allocs.load(SeqCst)
+    }
+
+    /// Frees so far.
+    pub fn frees(&self) -> u64 {
+        self.frees.load(SeqCst)
+    }
+
+    /// Attempts that were made to fail.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(SeqCst)
+    }
+
+    /// Bytes allocated and not yet freed.
+    pub fn outstanding_bytes(&self) -> usize {
+        self.outstanding_bytes.load(SeqCst)
+    }
+
+    /// Allocations not yet freed.
+    pub fn outstanding_allocs(&self) -> u64 {
+        self.allocs() - self.frees()
+    }
+
+    fn should_fail(&self, attempt: u64, bytes: usize) -> bool {
+        let mut plan = self.plan.lock();
+        let before = plan.at.len();
+        plan.at.retain(|&a| a != attempt);
+        plan.at.len() != before
+            || (plan.every != 0 && attempt.is_multiple_of(plan.every))
+            || plan
+                .limit
+                .is_some_and(|l| self.outstanding_bytes().saturating_add(bytes) > l)
+    }
+}
+
+impl fmt::Debug for CountingBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CountingBackend")
+            .field("attempts", &self.attempts())
+            .field("allocs", &self.allocs())
+            .field("frees", &self.frees())
+            .field("failures", &self.failures())
+            .field("outstanding_bytes", &self.outstanding_bytes())
+            .finish()
+    }
+}
+
+impl Backend for CountingBackend {
+    fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
+        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
+        if self.should_fail(attempt, bytes) {
+            self.failures.fetch_add(1, SeqCst);
+            return Err(AllocError::OutOfMemory);
+        }
+        let storage = self.host.alloc(device, bytes, zeroed)?;
+        self.allocs.fetch_add(1, SeqCst);
+        self.outstanding_bytes.fetch_add(bytes, SeqCst);
+        Ok(storage)
+    }
+
+    fn free(&self, device: Device, storage: Storage) {
+        let Storage::Host(buf) = &storage;
+        let bytes = buf.bytes();
+        self.host.free(device, storage);
+        self.frees.fetch_add(1, SeqCst);
+        self.outstanding_bytes.fetch_sub(bytes, SeqCst);
+    }
+
+    fn allocated_bytes(&self, _device: Device) -> usize {
+        self.outstanding_bytes()
+    }
+}
+
+/// Routes this thread's `Device::Cpu` allocations to `backend` until the guard drops (the
+/// previous backend is restored then).
+///
+/// Installing and removing it releases the free buffers of this thread's caches on
+/// `Device::Cpu`, so a free list never mixes buffers of two backends. Buffers always go back to
+/// the backend that allocated them, whichever thread drops them.
+pub fn use_backend(backend: &Arc<CountingBackend>) -> BackendGuard {
+    crate::registry::release_own(Some(Device::Cpu));
+    let backend: Arc<dyn Backend> = Arc::clone(backend) as Arc<dyn Backend>;
+    BackendGuard {
+        previous: backend::set_cpu_override(Some(backend)),
+        _not_send: PhantomData,
+    }
+}
+
+/// Keeps a [`CountingBackend`] installed on this thread; made by [`use_backend`].
+#[must_use = "the backend is removed when the guard drops"]
+pub struct BackendGuard {
+    previous: Option<Arc<dyn Backend>>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for BackendGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendGuard").finish_non_exhaustive()
+    }
+}
+
+impl Drop for BackendGuard {
+    fn drop(&mut self) {
+        crate::registry::release_own(Some(Device::Cpu));
+        backend::set_cpu_override(self.previous.take());
+    }
+}

@@ -127,9 +127,12 @@ impl<T: Element> Array<T> {
         })?;
         array.home = home;
         let block = array.block.insert(block);
-        if recycled && zero {
+        if recycled {
             // On failure `array` drops and the buffer goes home.
-            block.zero(bytes)?;
+            block.prepare_reuse()?;
+            if zero {
+                block.zero(bytes)?;
+            }
         }
         Ok(array)
     }

@@ -231,6 +231,10 @@ struct Inner {
     slots: Vec<Slot>,
     /// Buffers dropped inside an active scope under `Reuse::OnExit`: free when it exits.
     pending: Vec<(usize, Block)>,
+    /// Buffers whose memory a device may still be using on another stream (see
+    /// `Block::is_idle`): free once that work completes, polled when the cache misses and when a
+    /// scope exits.
+    deferred: Vec<(usize, Block)>,
     /// Free buffers, least recently freed first, as (stamp, slot); kept only with a byte cap.
     /// Entries whose buffer has left the free list are skipped when met.
     lru: VecDeque<(u64, usize)>,
@@ -293,6 +297,7 @@ impl CacheCell {
                 keys: HashMap::default(),
                 slots: Vec::new(),
                 pending: Vec::new(),
+                deferred: Vec::new(),
                 lru: VecDeque::new(),
                 clock: 0,
                 free_blocks: 0,
@@ -424,9 +429,10 @@ impl CacheCell {
         }
         if self.remote.returned.load(Acquire) {
             self.drain_returned(inner, true);
-            if let Some(block) = inner.pop(&self.stats, slot) {
-                return Take::Hit(block, self.home(slot, inner.generation));
-            }
+        }
+        inner.poll_deferred(&self.stats);
+        if let Some(block) = inner.pop(&self.stats, slot) {
+            return Take::Hit(block, self.home(slot, inner.generation));
         }
         Take::Miss {
             capacity: inner.config.key.capacity(req.bytes),
@@ -626,7 +632,24 @@ impl Inner {
             self.free(st, block);
         } else if active && self.config.reuse == Reuse::OnExit {
             self.pending.push((slot, block));
+        } else if !block.is_idle() {
+            self.deferred.push((slot, block));
         } else {
+            sub(&st.bytes_in_use, block.bytes());
+            self.push_free(st, slot, block);
+        }
+    }
+
+    /// Moves the deferred buffers whose device work has completed to the free lists.
+    fn poll_deferred(&mut self, st: &Counters) {
+        if self.deferred.is_empty() {
+            return;
+        }
+        let (idle, busy): (Vec<_>, Vec<_>) = mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|(_, b)| b.is_idle());
+        self.deferred = busy;
+        for (slot, block) in idle {
             sub(&st.bytes_in_use, block.bytes());
             self.push_free(st, slot, block);
         }
@@ -653,20 +676,29 @@ impl Inner {
         drop(block);
     }
 
-    /// Moves the buffers dropped during the scope to the free lists.
+    /// Moves the buffers dropped during the scope to the free lists (or, if a device may still
+    /// be using them, to the deferred list).
     fn settle(&mut self, st: &Counters) {
         let mut pending = mem::take(&mut self.pending);
         for (slot, block) in pending.drain(..) {
-            sub(&st.bytes_in_use, block.bytes());
-            self.push_free(st, slot, block);
+            if block.is_idle() {
+                sub(&st.bytes_in_use, block.bytes());
+                self.push_free(st, slot, block);
+            } else {
+                self.deferred.push((slot, block));
+            }
         }
         // Keep the capacity for the next step.
         self.pending = pending;
+        self.poll_deferred(st);
     }
 
-    /// Frees the buffers dropped during an active scope.
+    /// Frees the buffers dropped during an active scope and those deferred (freeing waits for
+    /// their device work, as the backend's free does).
     fn free_pending(&mut self, st: &Counters) {
-        for (_, block) in mem::take(&mut self.pending) {
+        let pending = mem::take(&mut self.pending);
+        let deferred = mem::take(&mut self.deferred);
+        for (_, block) in pending.into_iter().chain(deferred) {
             sub(&st.bytes_in_use, block.bytes());
             self.free(st, block);
         }

@@ -112,6 +112,22 @@ impl Block {
         }
     }
 
+    /// Whether no device work that was recorded against this block on another stream is still
+    /// running, so that it may be handed out again. Host memory is always idle.
+    pub(crate) fn is_idle(&self) -> bool {
+        match &*self.storage {
+            Storage::Host(_) => true,
+        }
+    }
+
+    /// Prepares a recycled block for its new array: device backends order the thread's
+    /// current stream after the block's earlier work. Nothing to do for host memory.
+    pub(crate) fn prepare_reuse(&mut self) -> Result<()> {
+        match &mut *self.storage {
+            Storage::Host(_) => Ok(()),
+        }
+    }
+
     /// Sets the first `bytes` bytes to zero.
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
         debug_assert!(bytes <= self.bytes);

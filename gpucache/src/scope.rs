@@ -4,7 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use crate::cache::CacheCell;
 use crate::registry;
@@ -114,12 +114,28 @@ impl Drop for ScopeGuard {
 /// assert_eq!(gpucache::current_scope().as_deref(), Some("outer"));
 /// ```
 pub fn current_scope() -> Option<String> {
-    with_current(|cell| cell.map(|c| c.name().to_owned()))
+    with_innermost(|cell| cell.map(|c| c.name().to_owned()))
+}
+
+/// Whether caching is turned off for the process: `GPUCACHE_DISABLE=1` in the environment,
+/// read once. Scopes are still entered, but every array allocates from and frees to the device
+/// directly (so tools such as compute-sanitizer see every buffer).
+static DISABLED: LazyLock<bool> =
+    LazyLock::new(|| std::env::var_os("GPUCACHE_DISABLE").is_some_and(|v| v == "1"));
+
+/// Runs `f` with the cache that allocations on this thread go through: the innermost entered
+/// one (`None` outside any scope, once the cache is closed by thread teardown, and always when
+/// `GPUCACHE_DISABLE=1`).
+pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
+    if *DISABLED {
+        return f(None);
+    }
+    with_innermost(f)
 }
 
 /// Runs `f` with the innermost entered cache of this thread (`None` outside any scope, or once
 /// the cache is closed by thread teardown).
-pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
+fn with_innermost<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     let ptr = CURRENT.get();
     // SAFETY: a non-null `CURRENT` is the innermost entry of `STACK` (or the last entered cache
     // during teardown), whose `ScopeGuard` holds an `Arc` to it and is still alive: guards are

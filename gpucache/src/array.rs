@@ -107,7 +107,10 @@ impl<T: Element> Array<T> {
             backend::check_device(device)?;
             return Ok(array);
         }
+        // A recycled buffer is zeroed when asked (or when its old bytes may not be valid for
+        // `T`); a new one is zeroed unless it is about to be overwritten.
         let zero = init == Init::Zeroed || (init == Init::Any && !T::ANY_BIT_PATTERN);
+        let zero_new = init != Init::Overwritten;
         let req = Request {
             dtype: T::DTYPE,
             dims: array.shape.dims(),
@@ -115,11 +118,11 @@ impl<T: Element> Array<T> {
             bytes,
         };
         let (block, home, recycled) = scope::with_current(|cache| match cache {
-            None => registry::alloc_block(device, bytes, zero).map(|b| (b, None, false)),
+            None => registry::alloc_block(device, bytes, zero_new).map(|b| (b, None, false)),
             Some(cache) => match cache.take(&req) {
                 Take::Hit(block, home) => Ok((block, Some(home), true)),
                 Take::Miss { capacity } => {
-                    let block = registry::alloc_block(device, capacity, zero)?;
+                    let block = registry::alloc_block(device, capacity, zero_new)?;
                     let home = cache.adopt(&req, &block);
                     Ok((block, Some(home), false))
                 }
@@ -202,10 +205,35 @@ impl<T: Element> Array<T> {
 
     /// A copy of the elements in a `Vec`.
     ///
+    /// For an array in device memory this copies the bytes to the host (on CUDA: on the
+    /// thread's current stream, ordered after the array's stream, and waits for the copy).
+    /// `bool` elements are read as bytes, and any nonzero byte is `true` (a kernel may have
+    /// written any value).
+    ///
     /// # Errors
     /// The device's errors while copying.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        Ok(self.as_slice()?.to_vec())
+        let Some(block) = &self.block else {
+            return Ok(Vec::new());
+        };
+        if block.host().is_some() {
+            return Ok(self.as_slice()?.to_vec());
+        }
+        let mut bytes = vec![0u8; self.num_bytes()];
+        block.read(&mut bytes)?;
+        Ok(from_bytes(bytes))
+    }
+
+    /// The array's block (`None` for zero-size arrays).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn block(&self) -> Option<&Block> {
+        self.block.as_ref()
+    }
+
+    /// The array's block, mutable (`None` for zero-size arrays).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn block_mut(&mut self) -> Option<&mut Block> {
+        self.block.as_mut()
     }
 
     fn not_host(&self) -> Error {
@@ -217,7 +245,8 @@ impl<T: Element> Array<T> {
 
 impl<T: Element> Drop for Array<T> {
     fn drop(&mut self) {
-        if let Some(block) = self.block.take() {
+        if let Some(mut block) = self.block.take() {
+            block.end_use();
             match self.home.take() {
                 Some(home) => cache::release(home, block),
                 None => drop(block),
@@ -243,4 +272,28 @@ fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
     // `[T]` is an initialised `u8`; the length is the slice's size in bytes and the lifetime is
     // the input's.
     unsafe { slice::from_raw_parts(data.as_ptr().cast::<u8>(), mem::size_of_val(data)) }
+}
+
+/// Elements from their bytes, as a device copied them out. Bytes of `bool` elements are read as
+/// `byte != 0`.
+fn from_bytes<T: Element>(mut bytes: Vec<u8>) -> Vec<T> {
+    // Every `Element` is valid for any bit pattern except `bool`, a one-byte type.
+    const { assert!(T::ANY_BIT_PATTERN || mem::size_of::<T>() == 1) };
+    if !T::ANY_BIT_PATTERN {
+        for b in &mut bytes {
+            *b = u8::from(*b != 0);
+        }
+    }
+    let len = bytes.len() / mem::size_of::<T>();
+    let mut out = Vec::<T>::with_capacity(len);
+    // SAFETY: `out` has room for `len` elements, that is `bytes.len()` bytes (a whole number of
+    // elements: the caller copied `len * size_of::<T>()` bytes), which cannot overlap `bytes`.
+    // Every byte pattern is a valid `T` for `ANY_BIT_PATTERN` types, and the only other type
+    // (`bool`, one byte, asserted above) got 0 or 1 in each byte. So all `len` elements are
+    // initialised and valid before `set_len`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), bytes.len());
+        out.set_len(len);
+    }
+    out
 }

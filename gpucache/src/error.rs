@@ -72,6 +72,65 @@ pub enum Error {
         device: Device,
     },
 
+    /// No CUDA driver could be loaded (`libcuda.so` is not on the library search path), so no
+    /// CUDA device can be used.
+    #[error(
+        "{device} is not available: no CUDA driver was found (libcuda.so could not be loaded); \
+         install the NVIDIA driver, check LD_LIBRARY_PATH, or use Device::Cpu"
+    )]
+    CudaDriverNotFound {
+        /// The device that was asked for.
+        device: Device,
+    },
+
+    /// The CUDA driver is there but has no device with this ordinal.
+    #[error(
+        "{device} does not exist: the CUDA driver reports {count} device(s); use an ordinal below \
+         {count} (check CUDA_VISIBLE_DEVICES)"
+    )]
+    CudaDeviceNotFound {
+        /// The device that was asked for.
+        device: Device,
+        /// The number of CUDA devices the driver reports.
+        count: usize,
+    },
+
+    /// A call of the CUDA driver failed. The driver's own error is the [source](std::error::Error::source).
+    #[cfg(feature = "cuda")]
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+
+    /// An operation got an array or stream of one device where another was needed (a CPU array
+    /// passed to a CUDA API, a stream of another GPU).
+    #[error("expected an array or stream on {expected}, got one on {found}")]
+    DeviceMismatch {
+        /// The device the operation needs.
+        expected: Device,
+        /// The device it got.
+        found: Device,
+    },
+
+    /// A CUDA stream that does not belong to the context gpucache allocates in (the device's
+    /// primary context) was given where gpucache records or orders work.
+    #[error(
+        "the stream belongs to a CUDA context other than the primary context of {device}, which \
+         gpucache allocates in; create streams from gpucache::cuda::context({device:?})"
+    )]
+    ForeignStream {
+        /// The device of the stream.
+        device: Device,
+    },
+
+    /// A zero-size array owns no device memory, so it has no mutable device view.
+    #[error(
+        "the array on {device} has no elements and owns no device memory, so it has no mutable \
+         view; check is_empty() first"
+    )]
+    EmptyArray {
+        /// The array's device.
+        device: Device,
+    },
+
     /// The array lives in device memory that the host cannot address.
     #[error(
         "the array lives on {device}, whose memory the host cannot read or write directly; copy \

@@ -86,6 +86,8 @@ mod array;
 mod backend;
 mod cache;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod device;
 mod dtype;
 mod error;

@@ -153,8 +153,7 @@ impl Backend for CountingBackend {
     }
 
     fn free(&self, device: Device, storage: Storage) {
-        let Storage::Host(buf) = &storage;
-        let bytes = buf.bytes();
+        let bytes = storage.bytes();
         self.host.free(device, storage);
         self.frees.fetch_add(1, SeqCst);
         self.outstanding_bytes.fetch_sub(bytes, SeqCst);

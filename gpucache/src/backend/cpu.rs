@@ -36,7 +36,13 @@ impl Backend for CpuBackend {
     }
 
     fn free(&self, _device: Device, storage: Storage) {
-        let Storage::Host(buf) = storage;
+        #[cfg_attr(not(feature = "cuda"), expect(clippy::infallible_destructuring_match))]
+        let buf = match storage {
+            Storage::Host(buf) => buf,
+            // Not host memory (never made here): its own drop gives it back.
+            #[cfg(feature = "cuda")]
+            other => return drop(other),
+        };
         // SAFETY: `Layout::from_size_align` accepted this size and alignment when `buf` was
         // allocated, so they satisfy its conditions.
         let layout = unsafe { Layout::from_size_align_unchecked(buf.bytes, HOST_ALIGN) };

@@ -4,11 +4,15 @@
 //! moves [`Block`]s around; a `Block` owns its memory and the backend that made it, so it goes
 //! back to the right place from whichever thread drops it (RAII: dropping a `Block` frees it).
 //!
-//! Backends: [`cpu`] (64-byte aligned host memory, always built) and the counting, fault-injecting
-//! backend of [`crate::testing`]. Each device resolves to one backend per thread: the CPU backend
-//! unless a test installed another for `Device::Cpu` on this thread.
+//! Backends: [`cpu`] (64-byte aligned host memory, always built), `cuda` (feature `cuda`: device
+//! memory through cudarc, stream-ordered) and the counting, fault-injecting backend of
+//! [`crate::testing`]. Each device resolves to one backend per thread: for `Device::Cpu` the CPU
+//! backend unless a test installed another on this thread, for `Device::Cuda(n)` the CUDA
+//! backend.
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 
 use std::cell::RefCell;
 use std::fmt;
@@ -47,6 +51,20 @@ pub(crate) enum AllocError {
 pub(crate) enum Storage {
     /// Host memory.
     Host(HostBuf),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaBuf),
+}
+
+impl Storage {
+    /// The size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Storage::Host(h) => h.bytes(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.bytes(),
+        }
+    }
 }
 
 /// An owned, [`HOST_ALIGN`]-aligned, initialised host allocation of `bytes > 0` bytes.
@@ -109,6 +127,26 @@ impl Block {
     pub(crate) fn host(&self) -> Option<&HostBuf> {
         match &*self.storage {
             Storage::Host(h) => Some(h),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => None,
+        }
+    }
+
+    /// The CUDA allocation, when the memory is CUDA device memory.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda(&self) -> Option<&cuda::CudaBuf> {
+        match &*self.storage {
+            Storage::Cuda(c) => Some(c),
+            Storage::Host(_) => None,
+        }
+    }
+
+    /// The CUDA allocation, mutable, when the memory is CUDA device memory.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_mut(&mut self) -> Option<&mut cuda::CudaBuf> {
+        match &mut *self.storage {
+            Storage::Cuda(c) => Some(c),
+            Storage::Host(_) => None,
         }
     }
 
@@ -117,6 +155,19 @@ impl Block {
     pub(crate) fn is_idle(&self) -> bool {
         match &*self.storage {
             Storage::Host(_) => true,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.is_idle(),
+        }
+    }
+
+    /// The block's array dropped: device backends record events for the work queued so far
+    /// on the streams the array was marked as used on (so [`Block::is_idle`] can tell when it
+    /// is done). Nothing to do for host memory.
+    pub(crate) fn end_use(&mut self) {
+        match &mut *self.storage {
+            Storage::Host(_) => {}
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.end_use(),
         }
     }
 
@@ -125,6 +176,8 @@ impl Block {
     pub(crate) fn prepare_reuse(&mut self) -> Result<()> {
         match &mut *self.storage {
             Storage::Host(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.prepare_reuse(self.device),
         }
     }
 
@@ -138,6 +191,8 @@ impl Block {
                 unsafe { h.ptr.as_ptr().write_bytes(0, bytes) };
                 Ok(())
             }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.zero(bytes),
         }
     }
 
@@ -154,6 +209,26 @@ impl Block {
                 }
                 Ok(())
             }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.write(src),
+        }
+    }
+
+    /// Copies the start of the block to `dst`.
+    pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
+        debug_assert!(dst.len() <= self.bytes);
+        match &*self.storage {
+            Storage::Host(h) => {
+                // SAFETY: the source holds `self.bytes >= dst.len()` initialised bytes (host
+                // buffers are zeroed when allocated) and cannot overlap `dst`, an exclusive
+                // borrow of other memory.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(h.ptr.as_ptr(), dst.as_mut_ptr(), dst.len());
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.read(self.device, dst),
         }
     }
 }
@@ -190,6 +265,12 @@ pub(crate) fn resolve(device: Device) -> Result<Arc<dyn Backend>> {
             .ok()
             .flatten()
             .unwrap_or_else(|| Arc::clone(&CPU))),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => {
+            cuda::device_state(n)?;
+            Ok(Arc::clone(&cuda::CUDA))
+        }
+        #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(Error::CudaNotEnabled { device }),
     }
 }

@@ -1,0 +1,395 @@
+//! The CUDA backend: device memory from cudarc, one primary context per device, allocations on
+//! the thread's current stream, and stream-ordered reuse.
+//!
+//! # Storage
+//!
+//! A buffer is a [`CudaSlice<u8>`] allocated with cudarc's `CudaStream::alloc` (so
+//! `cuMemAllocAsync` on the thread's current stream where the device supports memory pools).
+//! Keeping cudarc's own slice keeps its guarantees: kernel launches and copies that take the
+//! array through cudarc wait for and record the slice's read/write events (when the context has
+//! several streams), and dropping the slice frees it stream-ordered after them. Arrays hand out
+//! typed views of it (`transmute`), so nothing is copied to pass an array to a kernel or cuBLAS.
+//!
+//! # Streams
+//!
+//! Each buffer remembers the stream it was last handed out on (its *stream*). A buffer recycled
+//! on the same stream needs nothing: stream order already puts the new work after the old. On
+//! another stream, [`CudaBuf::prepare_reuse`] makes the new stream wait for an event recorded on
+//! the old one and adopts the new stream. Work on streams the cache cannot see is declared with
+//! `Array::record_stream`: when the array drops, an event is recorded on each marked stream, and
+//! the cache keeps the buffer off its free lists until those events complete
+//! ([`CudaBuf::is_idle`], polled lazily by the cache, as Paddle's StreamSafeCUDAAllocator does).
+//! Unmarked buffers never create an event.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, LazyLock, OnceLock};
+use std::{mem, ptr};
+
+use cudarc::driver::sys::{CUresult, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError};
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+
+use super::{AllocError, Backend, Storage};
+use crate::{Device, Error, Result};
+
+/// What gpucache keeps for one CUDA device, for the life of the process.
+pub(crate) struct DeviceState {
+    /// The device's primary context.
+    pub(crate) ctx: Arc<CudaContext>,
+    /// The context's default (null) stream.
+    pub(crate) default_stream: Arc<CudaStream>,
+    /// A one-byte allocation whose pointer zero-size arrays pass to kernels (they own no memory).
+    pub(crate) sentinel: CudaSlice<u8>,
+    /// Bytes allocated through gpucache and not yet freed.
+    outstanding: AtomicUsize,
+}
+
+/// The driver, once loaded: one slot per device, filled on first use.
+struct Driver {
+    devices: Box<[OnceLock<DeviceState>]>,
+    /// Serialises context creation.
+    init: Mutex<()>,
+}
+
+/// Why the driver could not be used (kept, so every later call gets the same answer).
+#[derive(Clone, Copy)]
+enum DriverFailure {
+    NotFound,
+    NoDevice,
+    Call(DriverError),
+}
+
+static DRIVER: OnceLock<Result<Driver, DriverFailure>> = OnceLock::new();
+
+fn driver() -> Result<&'static Driver, DriverFailure> {
+    DRIVER.get_or_init(load_driver).as_ref().map_err(|&e| e)
+}
+
+fn load_driver() -> Result<Driver, DriverFailure> {
+    // SAFETY: only tries to open the driver's shared library (no symbol is called).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(DriverFailure::NotFound);
+    }
+    let count = match CudaContext::device_count() {
+        Ok(n) => usize::try_from(n).unwrap_or(0),
+        Err(DriverError(CUresult::CUDA_ERROR_NO_DEVICE)) => return Err(DriverFailure::NoDevice),
+        Err(e) => return Err(DriverFailure::Call(e)),
+    };
+    Ok(Driver {
+        devices: (0..count).map(|_| OnceLock::new()).collect(),
+        init: Mutex::new(()),
+    })
+}
+
+/// The state of CUDA device `ordinal`, creating its context on first use.
+pub(crate) fn device_state(ordinal: usize) -> Result<&'static DeviceState> {
+    let device = Device::Cuda(ordinal);
+    let driver = driver().map_err(|e| match e {
+        DriverFailure::NotFound => Error::CudaDriverNotFound { device },
+        DriverFailure::NoDevice => Error::CudaDeviceNotFound { device, count: 0 },
+        DriverFailure::Call(e) => Error::Driver(e),
+    })?;
+    let slot = driver
+        .devices
+        .get(ordinal)
+        .ok_or(Error::CudaDeviceNotFound {
+            device,
+            count: driver.devices.len(),
+        })?;
+    if let Some(state) = slot.get() {
+        return Ok(state);
+    }
+    let _init = driver.init.lock();
+    if let Some(state) = slot.get() {
+        return Ok(state);
+    }
+    let ctx = CudaContext::new(ordinal)?;
+    let default_stream = ctx.default_stream();
+    // SAFETY: the byte is never read or written: zero-size views point at it.
+    let sentinel = unsafe { default_stream.alloc::<u8>(1) }?;
+    default_stream.synchronize()?;
+    Ok(slot.get_or_init(|| DeviceState {
+        ctx,
+        default_stream,
+        sentinel,
+        outstanding: AtomicUsize::new(0),
+    }))
+}
+
+/// The ordinal of a CUDA device.
+pub(crate) fn ordinal(device: Device) -> Result<usize> {
+    match device {
+        Device::Cuda(n) => Ok(n),
+        Device::Cpu => Err(Error::DeviceMismatch {
+            expected: Device::Cuda(0),
+            found: device,
+        }),
+    }
+}
+
+thread_local! {
+    /// This thread's current stream per device ordinal (`None`: the default stream).
+    static CURRENT: RefCell<Vec<Option<Arc<CudaStream>>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The handle of this thread's current stream for device `ordinal` (null: the default stream).
+/// Cheap: no reference count is touched.
+fn current_handle(ordinal: usize) -> CUstream {
+    CURRENT
+        .try_with(|c| {
+            c.borrow()
+                .get(ordinal)
+                .and_then(Option::as_ref)
+                .map_or(ptr::null_mut(), |s| s.cu_stream())
+        })
+        .unwrap_or(ptr::null_mut())
+}
+
+/// This thread's current stream for device `ordinal`.
+pub(crate) fn current_stream(ordinal: usize, state: &'static DeviceState) -> Arc<CudaStream> {
+    CURRENT
+        .try_with(|c| c.borrow().get(ordinal).cloned().flatten())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| Arc::clone(&state.default_stream))
+}
+
+/// Checks that `stream` belongs to the primary context of its device, which gpucache allocates
+/// in; returns the device's ordinal.
+pub(crate) fn check_stream(stream: &CudaStream) -> Result<usize> {
+    let ordinal = stream.context().ordinal();
+    let state = device_state(ordinal)?;
+    if **stream.context() != *state.ctx {
+        return Err(Error::ForeignStream {
+            device: Device::Cuda(ordinal),
+        });
+    }
+    Ok(ordinal)
+}
+
+/// Replaces this thread's current stream for device `ordinal` (`None`: the default stream);
+/// returns the previous setting.
+pub(crate) fn replace_current(
+    ordinal: usize,
+    stream: Option<Arc<CudaStream>>,
+) -> Option<Arc<CudaStream>> {
+    CURRENT
+        .try_with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() <= ordinal {
+                c.resize(ordinal + 1, None);
+            }
+            mem::replace(&mut c[ordinal], stream)
+        })
+        .ok()
+        .flatten()
+}
+
+/// The CUDA backend (one for all devices; per-device state lives in [`DeviceState`]).
+#[derive(Debug, Default)]
+pub(crate) struct CudaBackend;
+
+/// The process's CUDA backend.
+pub(crate) static CUDA: LazyLock<Arc<dyn Backend>> = LazyLock::new(|| Arc::new(CudaBackend));
+
+fn alloc_error(e: DriverError) -> AllocError {
+    match e.0 {
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => AllocError::OutOfMemory,
+        _ => AllocError::Other(Error::Driver(e)),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
+        let n = ordinal(device).map_err(AllocError::Other)?;
+        let state = device_state(n).map_err(AllocError::Other)?;
+        let stream = current_stream(n, state);
+        // SAFETY: the memory is left unset here; it is zeroed below when asked, and otherwise
+        // only ever copied out as plain bytes (`Array` zeroes or overwrites it before any
+        // element type that not every bit pattern is valid for could be read).
+        let first = unsafe { stream.alloc::<u8>(bytes) };
+        let mut slice = match first {
+            Ok(slice) => slice,
+            Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
+                // Memory freed stream-ordered (cuMemFreeAsync) returns to the device's pool
+                // only as the device catches up: wait for it, then try once more.
+                state.ctx.synchronize().map_err(alloc_error)?;
+                // SAFETY: as above.
+                unsafe { stream.alloc::<u8>(bytes) }.map_err(alloc_error)?
+            }
+            Err(e) => return Err(alloc_error(e)),
+        };
+        if zeroed {
+            stream.memset_zeros(&mut slice).map_err(alloc_error)?;
+        }
+        state.outstanding.fetch_add(bytes, Relaxed);
+        Ok(Storage::Cuda(CudaBuf {
+            slice,
+            stream,
+            marked: Mutex::new(SmallVec::new()),
+            events: Vec::new(),
+        }))
+    }
+
+    fn free(&self, device: Device, storage: Storage) {
+        let bytes = storage.bytes();
+        drop(storage);
+        if let Ok(state) = ordinal(device).and_then(device_state) {
+            state.outstanding.fetch_sub(bytes, Relaxed);
+        }
+    }
+
+    fn allocated_bytes(&self, device: Device) -> usize {
+        ordinal(device)
+            .and_then(device_state)
+            .map_or(0, |s| s.outstanding.load(Relaxed))
+    }
+}
+
+/// An owned CUDA buffer: cudarc's slice, the stream it was last handed out on, and the
+/// cross-stream uses declared with `Array::record_stream`.
+#[derive(Debug)]
+pub(crate) struct CudaBuf {
+    slice: CudaSlice<u8>,
+    /// The stream of the buffer's current (or last) owner.
+    stream: Arc<CudaStream>,
+    /// Other streams the current owner was used on (`Array::record_stream`), not yet recorded.
+    marked: Mutex<SmallVec<[Arc<CudaStream>; 1]>>,
+    /// Events recorded on the marked streams when the owner dropped.
+    events: Vec<CudaEvent>,
+}
+
+impl CudaBuf {
+    /// The size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// cudarc's slice of the whole buffer.
+    pub(crate) fn slice(&self) -> &CudaSlice<u8> {
+        &self.slice
+    }
+
+    /// cudarc's slice of the whole buffer, mutable.
+    pub(crate) fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
+        &mut self.slice
+    }
+
+    /// The stream of the buffer's current owner.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Declares that the current owner is used on `stream` too.
+    pub(crate) fn record_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        if **stream.context() != **self.stream.context() {
+            let found = Device::Cuda(stream.context().ordinal());
+            let expected = Device::Cuda(self.stream.context().ordinal());
+            return Err(if found == expected {
+                Error::ForeignStream { device: found }
+            } else {
+                Error::DeviceMismatch { expected, found }
+            });
+        }
+        if stream.cu_stream() == self.stream.cu_stream() {
+            return Ok(());
+        }
+        let mut marked = self.marked.lock();
+        if !marked.iter().any(|s| s.cu_stream() == stream.cu_stream()) {
+            marked.push(Arc::clone(stream));
+        }
+        Ok(())
+    }
+
+    /// The owner dropped: record an event on each marked stream, so the buffer is reused (or
+    /// freed) only after the work queued there so far.
+    pub(crate) fn end_use(&mut self) {
+        let marked = self.marked.get_mut();
+        if marked.is_empty() {
+            return;
+        }
+        for stream in marked.drain(..) {
+            match stream.record_event(None) {
+                Ok(event) => self.events.push(event),
+                // No event: wait for the stream here instead (a failing driver has bigger
+                // problems, but the buffer must not be reused under running work).
+                Err(e) => {
+                    let ctx = stream.context();
+                    ctx.record_err::<()>(Err(e));
+                    ctx.record_err(stream.synchronize());
+                }
+            }
+        }
+    }
+
+    /// Whether the work recorded on other streams has completed (no events: at once).
+    pub(crate) fn is_idle(&self) -> bool {
+        // A failed query means a broken context; nothing will complete any more.
+        self.events
+            .iter()
+            .all(|e| e.try_is_complete().unwrap_or(true))
+    }
+
+    /// Hands the buffer to a new owner on this thread's current stream for `device`.
+    pub(crate) fn prepare_reuse(&mut self, device: Device) -> Result<()> {
+        // The cache hands out only idle buffers: their events have completed.
+        self.events.clear();
+        let n = ordinal(device)?;
+        if current_handle(n) != self.stream.cu_stream() {
+            let current = current_stream(n, device_state(n)?);
+            current.join(&self.stream)?;
+            self.stream = current;
+        }
+        Ok(())
+    }
+
+    /// Zeroes the first `bytes` bytes, on the owner's stream.
+    pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
+        let mut view = self.slice.slice_mut(..bytes);
+        self.stream.memset_zeros(&mut view)?;
+        Ok(())
+    }
+
+    /// Copies `src` to the start of the buffer, on the owner's stream.
+    pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
+        let mut view = self.slice.slice_mut(..src.len());
+        self.stream.memcpy_htod(src, &mut view)?;
+        Ok(())
+    }
+
+    /// Copies the start of the buffer to `dst`, on this thread's current stream for `device`
+    /// (ordered after the owner's stream), and waits for the copy.
+    pub(crate) fn read(&self, device: Device, dst: &mut [u8]) -> Result<()> {
+        let n = ordinal(device)?;
+        let state = device_state(n)?;
+        let stream = current_stream(n, state);
+        if stream.cu_stream() != self.stream.cu_stream() {
+            stream.join(&self.stream)?;
+        }
+        let view = self.slice.slice(..dst.len());
+        stream.memcpy_dtoh(&view, dst)?;
+        stream.synchronize()?;
+        Ok(())
+    }
+}
+
+impl Drop for CudaBuf {
+    /// cudarc frees the slice on the stream it was allocated on, after its tracked reads and
+    /// writes. Order that free after the owner's stream and the marked streams too.
+    fn drop(&mut self) {
+        self.end_use();
+        let free_stream = Arc::clone(self.slice.stream());
+        let ctx = free_stream.context();
+        for event in &self.events {
+            ctx.record_err(free_stream.wait(event));
+        }
+        if self.stream.cu_stream() != free_stream.cu_stream()
+            && let Err(e) = free_stream.join(&self.stream)
+        {
+            ctx.record_err::<()>(Err(e));
+            ctx.record_err(self.stream.synchronize());
+        }
+    }
+}

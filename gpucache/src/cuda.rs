@@ -1,0 +1,406 @@
+//! CUDA interop (feature `cuda`): arrays as cudarc buffers, the thread's current stream, and
+//! cross-stream use.
+//!
+//! An [`Array`] on [`Device::Cuda`] owns a cudarc [`CudaSlice<u8>`](cudarc::driver::CudaSlice)
+//! and implements cudarc's [`DevicePtr`] / [`DevicePtrMut`], and `&Array<T>` / `&mut Array<T>`
+//! are kernel arguments ([`PushKernelArg`]). So an array goes straight to
+//! `stream.launch_builder(&f).arg(&x)`, to cuBLAS (`blas.gemm(cfg, &a, &b, &mut c)`) and to
+//! cudarc's copies (`stream.memcpy_htod(&host, &mut x)`), without a copy and with cudarc's own
+//! read/write event tracking. [`Array::cuda_view`] / [`Array::cuda_view_mut`] give typed views
+//! for sub-slicing. This crate re-exports the cudarc it was built with as
+//! [`gpucache::cuda::cudarc`](cudarc), so the types match.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use gpucache::cuda::cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+//! use gpucache::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+//! use gpucache::cuda::cudarc::nvrtc::compile_ptx;
+//! use gpucache::{Array, Device};
+//!
+//! let Ok(dev) = Device::cuda(0) else {
+//!     return Ok(()); // no GPU (or no driver) on this machine
+//! };
+//! let stream = gpucache::cuda::current_stream(dev)?; // the context's default stream
+//! let ptx = compile_ptx(
+//!     r#"extern "C" __global__ void relu(float* y, const float* x, unsigned n) {
+//!         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+//!         if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+//!     }"#,
+//! )?;
+//! let relu = stream.context().load_module(ptx)?.load_function("relu")?;
+//! let blas = CudaBlas::new(Arc::clone(&stream))?;
+//!
+//! for _step in 0..3 {
+//!     let _scope = gpucache::enter("doc-step"); // buffers recycled from the second step on
+//!     let a = Array::from_slice(dev, &[1.0f32, -2.0, 3.0, -4.0], [2, 2])?;
+//!     let b = Array::from_slice(dev, &[1.0f32, 0.0, 0.0, 1.0], [2, 2])?;
+//!     let mut c = Array::<f32>::zeros(dev, [2, 2])?;
+//!     let cfg = GemmConfig {
+//!         transa: cublasOperation_t::CUBLAS_OP_N,
+//!         transb: cublasOperation_t::CUBLAS_OP_N,
+//!         m: 2, n: 2, k: 2, alpha: 1.0f32, lda: 2, ldb: 2, beta: 0.0f32, ldc: 2,
+//!     };
+//!     // SAFETY: the three arrays hold 2x2 f32 matrices, as the configuration says.
+//!     unsafe { blas.gemm(cfg, &b, &a, &mut c) }?; // c = a * identity
+//!     let mut y = Array::<f32>::empty(dev, [2, 2])?;
+//!     let n = c.len() as u32;
+//!     let mut launch = stream.launch_builder(&relu);
+//!     launch.arg(&mut y).arg(&c).arg(&n);
+//!     // SAFETY: `relu` takes (float*, const float*, unsigned) and reads/writes n elements.
+//!     unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }?;
+//!     assert_eq!(y.to_vec()?, [1.0, 0.0, 3.0, 0.0]);
+//! }
+//! assert_eq!(gpucache::stats("doc-step").hits, 8); // 4 arrays x steps 2 and 3
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Streams
+//!
+//! Each device has one CUDA context (its primary context), created on first use and kept for
+//! the life of the process ([`context`]). Each thread has a *current stream* per device, the
+//! context's default stream unless set with [`set_stream`] or [`use_stream`]. Arrays are
+//! allocated, zeroed and filled on the current stream, and a recycled buffer is stream-ordered:
+//! on the stream it was freed on it is reused at once, and on another stream that stream first
+//! waits for an event recorded on the old one. Launch work on cached arrays on the current
+//! stream (`gpucache::cuda::current_stream(dev)?`), or declare other streams:
+//!
+//! * [`Array::record_stream`] marks an array as used on another stream (as PyTorch's
+//!   `Tensor.record_stream`). When the array drops, an event is recorded on each marked stream,
+//!   and its buffer goes back to a free list only once those events have completed (the cache
+//!   polls them when it misses and when a scope exits, as Paddle's StreamSafeCUDAAllocator
+//!   does); freeing it outright waits for them on the device. Only marked arrays pay for events.
+//! * The event is recorded when the array *drops*, not when it is marked, so work queued on the
+//!   marked stream after the call is covered too.
+//!
+//! cudarc's own tracking stays on: when a context has more than one stream, kernel launches and
+//! copies that take an array through cudarc wait for and record the buffer's read/write events,
+//! as for any `CudaSlice`.
+//!
+//! # Panics
+//!
+//! The cudarc trait implementations cannot return errors: passing an array on
+//! [`Device::Cpu`] to them panics, as cudarc's own copies panic on a length mismatch. The
+//! methods of [`Array`] return [`Error::DeviceMismatch`] instead.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+pub use cudarc;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
+};
+
+use crate::backend::Block;
+use crate::backend::cuda::{self as backend, CudaBuf, DeviceState};
+use crate::{Array, Device, Element, Error, Result};
+
+/// The state of `device` (a CUDA device), creating its context on first use.
+fn state(device: Device) -> Result<&'static DeviceState> {
+    backend::device_state(backend::ordinal(device)?)
+}
+
+/// The primary context of `device`, which gpucache allocates in. Create streams from it
+/// (`context(dev)?.new_stream()?`) so that they can be used with gpucache's arrays.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`] for `Device::Cpu`, and the errors of [`Device::cuda`].
+pub fn context(device: Device) -> Result<Arc<CudaContext>> {
+    Ok(Arc::clone(&state(device)?.ctx))
+}
+
+/// The default (null) stream of `device`'s context.
+///
+/// # Errors
+/// As [`context`].
+pub fn default_stream(device: Device) -> Result<Arc<CudaStream>> {
+    Ok(Arc::clone(&state(device)?.default_stream))
+}
+
+/// The calling thread's current stream for `device`: where its arrays are allocated, zeroed
+/// and filled, and where recycled buffers are ordered. The default stream unless set.
+///
+/// # Errors
+/// As [`context`].
+pub fn current_stream(device: Device) -> Result<Arc<CudaStream>> {
+    let n = backend::ordinal(device)?;
+    Ok(backend::current_stream(n, backend::device_state(n)?))
+}
+
+/// Makes `stream` the calling thread's current stream for its device; returns the previous
+/// one. See also [`use_stream`], which restores it.
+///
+/// # Errors
+/// [`Error::ForeignStream`] when `stream` is not of the device's primary context ([`context`]).
+pub fn set_stream(stream: &Arc<CudaStream>) -> Result<Arc<CudaStream>> {
+    let n = backend::check_stream(stream)?;
+    let previous = backend::replace_current(n, Some(Arc::clone(stream)));
+    match previous {
+        Some(previous) => Ok(previous),
+        None => Ok(Arc::clone(&backend::device_state(n)?.default_stream)),
+    }
+}
+
+/// Makes `stream` the calling thread's current stream for its device until the guard drops.
+///
+/// ```
+/// use gpucache::{Array, Device};
+/// let Ok(dev) = Device::cuda(0) else { return Ok(()) };
+/// let side = gpucache::cuda::context(dev)?.new_stream()?;
+/// {
+///     let _on_side = gpucache::cuda::use_stream(&side)?;
+///     assert_eq!(gpucache::cuda::current_stream(dev)?, side);
+///     let _x = Array::<f32>::zeros(dev, 1024)?; // allocated and zeroed on `side`
+/// }
+/// assert_eq!(gpucache::cuda::current_stream(dev)?, gpucache::cuda::default_stream(dev)?);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// As [`set_stream`].
+pub fn use_stream(stream: &Arc<CudaStream>) -> Result<StreamGuard> {
+    let ordinal = backend::check_stream(stream)?;
+    let previous = backend::replace_current(ordinal, Some(Arc::clone(stream)));
+    Ok(StreamGuard {
+        ordinal,
+        previous,
+        _not_send: PhantomData,
+    })
+}
+
+/// Restores the previous current stream when dropped; made by [`use_stream`].
+#[must_use = "the previous stream is restored when the guard drops"]
+pub struct StreamGuard {
+    ordinal: usize,
+    previous: Option<Arc<CudaStream>>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for StreamGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamGuard")
+            .field("device", &Device::Cuda(self.ordinal))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        backend::replace_current(self.ordinal, self.previous.take());
+    }
+}
+
+/// Free and total memory of `device` in bytes, as `cuMemGetInfo` reports them (the whole
+/// device, all processes).
+///
+/// # Errors
+/// As [`context`], and the driver's errors.
+pub fn mem_get_info(device: Device) -> Result<(usize, usize)> {
+    Ok(state(device)?.ctx.mem_get_info()?)
+}
+
+impl<T: Element> Array<T> {
+    /// The CUDA buffer of the array (`None` when it has no elements), or an error for an array
+    /// that is not on a CUDA device.
+    fn cuda_buf(&self) -> Result<Option<&CudaBuf>> {
+        let Some(block) = self.block() else {
+            backend::ordinal(self.device())?;
+            return Ok(None);
+        };
+        block.cuda().map(Some).ok_or(Error::DeviceMismatch {
+            expected: Device::Cuda(0),
+            found: self.device(),
+        })
+    }
+
+    /// The elements as a cudarc view, for sub-slicing (`view.slice(a..b)`) and for any cudarc
+    /// API that takes a `DevicePtr`. A zero-size array gives an empty view.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for an array that is not on a CUDA device.
+    pub fn cuda_view(&self) -> Result<CudaView<'_, T>> {
+        let slice = match self.cuda_buf()? {
+            Some(buf) => buf.slice(),
+            None => &state(self.device())?.sentinel,
+        };
+        Ok(typed_view(slice, self.len()))
+    }
+
+    /// The elements as a mutable cudarc view.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for an array that is not on a CUDA device, and
+    /// [`Error::EmptyArray`] for a zero-size array (it owns no memory to point into).
+    pub fn cuda_view_mut(&mut self) -> Result<CudaViewMut<'_, T>> {
+        let device = self.device();
+        let len = self.len();
+        self.cuda_buf()?.ok_or(Error::EmptyArray { device })?;
+        let slice = self
+            .block_mut()
+            .and_then(Block::cuda_mut)
+            .ok_or(Error::EmptyArray { device })?
+            .slice_mut();
+        // SAFETY: every element type is a plain value type for which cudarc's view is only a
+        // typed device pointer; the buffer holds at least `len * size_of::<T>()` bytes and
+        // device allocations are aligned to 256 bytes. Bytes that are not a valid `T` (only
+        // `bool`) are never read as `T` on the host by gpucache (see `Array::to_vec`).
+        let view = unsafe { slice.transmute_mut::<T>(len) };
+        view.ok_or(Error::EmptyArray { device })
+    }
+
+    /// Marks the array as used on `stream` (another stream than the one it was allocated or
+    /// last recycled on): when it drops, an event is recorded on `stream`, and the buffer is
+    /// reused or freed only after the work queued there up to that point. Marking the array's
+    /// own stream, or the same stream twice, does nothing. A zero-size array owns no memory and
+    /// needs no mark.
+    ///
+    /// ```
+    /// use gpucache::{Array, Device};
+    /// let Ok(dev) = Device::cuda(0) else { return Ok(()) };
+    /// let side = gpucache::cuda::context(dev)?.new_stream()?;
+    /// let x = Array::<f32>::zeros(dev, 1 << 20)?; // on the current (default) stream
+    /// side.join(&*gpucache::cuda::current_stream(dev)?)?; // `side` sees the zeros
+    /// /* ... launch kernels reading `x` on `side` ... */
+    /// x.record_stream(&side)?;
+    /// drop(x); // its buffer waits for `side`'s work before it is reused
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for an array that is not on `stream`'s device, and
+    /// [`Error::ForeignStream`] for a stream of another context than the device's primary one.
+    pub fn record_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        let found = Device::Cuda(stream.context().ordinal());
+        if self.device() != found {
+            return Err(Error::DeviceMismatch {
+                expected: self.device(),
+                found,
+            });
+        }
+        match self.cuda_buf()? {
+            Some(buf) => buf.record_stream(stream),
+            None => backend::check_stream(stream).map(drop),
+        }
+    }
+}
+
+/// A typed view of the first `len` elements of `slice`.
+fn typed_view<T: Element>(slice: &CudaSlice<u8>, len: usize) -> CudaView<'_, T> {
+    // SAFETY: as in `Array::cuda_view_mut`; for the sentinel `len` is 0.
+    let view = unsafe { slice.transmute::<T>(len) };
+    view.unwrap_or_else(|| unreachable!("a buffer holds its array's elements"))
+}
+
+#[cold]
+#[track_caller]
+fn not_on_cuda(device: Device) -> ! {
+    panic!(
+        "gpucache: an array on {device} was passed to a CUDA API (cudarc); only arrays on \
+         Device::Cuda(_) can be"
+    )
+}
+
+/// The one-byte allocation of `device` that zero-size arrays point at.
+#[track_caller]
+fn sentinel(device: Device) -> &'static CudaSlice<u8> {
+    match state(device) {
+        Ok(state) => &state.sentinel,
+        Err(_) => not_on_cuda(device),
+    }
+}
+
+/// The slice a kernel or cudarc call gets for `array`: its buffer, or the device's sentinel for
+/// a zero-size array.
+#[track_caller]
+fn slice_of<T: Element>(array: &Array<T>) -> &CudaSlice<u8> {
+    match array.cuda_buf() {
+        Ok(Some(buf)) => buf.slice(),
+        Ok(None) => sentinel(array.device()),
+        Err(_) => not_on_cuda(array.device()),
+    }
+}
+
+/// The slice a kernel or cudarc call gets for `array` to write to (the sentinel for a
+/// zero-size array, through which nothing is written).
+#[track_caller]
+fn slice_mut_of<T: Element>(array: &mut Array<T>) -> SliceMut<'_> {
+    let device = array.device();
+    match array.block_mut() {
+        Some(block) => match block.cuda_mut() {
+            Some(buf) => SliceMut::Owned(buf.slice_mut()),
+            None => not_on_cuda(device),
+        },
+        None => SliceMut::Sentinel(sentinel(device)),
+    }
+}
+
+/// What [`slice_mut_of`] found.
+enum SliceMut<'a> {
+    Owned(&'a mut CudaSlice<u8>),
+    Sentinel(&'static CudaSlice<u8>),
+}
+
+impl<T: Element> DeviceSlice<T> for Array<T> {
+    fn len(&self) -> usize {
+        Array::len(self)
+    }
+
+    /// The stream of the array's buffer (where it was allocated or last recycled); the
+    /// device's default stream for a zero-size array.
+    ///
+    /// # Panics
+    /// For an array that is not on a CUDA device.
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self.cuda_buf() {
+            Ok(Some(buf)) => buf.stream(),
+            Ok(None) => match state(self.device()) {
+                Ok(state) => &state.default_stream,
+                Err(_) => not_on_cuda(self.device()),
+            },
+            Err(_) => not_on_cuda(self.device()),
+        }
+    }
+}
+
+impl<T: Element> DevicePtr<T> for Array<T> {
+    /// # Panics
+    /// For an array that is not on a CUDA device.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        slice_of(self).device_ptr(stream)
+    }
+}
+
+impl<T: Element> DevicePtrMut<T> for Array<T> {
+    /// # Panics
+    /// For an array that is not on a CUDA device.
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        match slice_mut_of(self) {
+            SliceMut::Owned(slice) => slice.device_ptr_mut(stream),
+            SliceMut::Sentinel(slice) => slice.device_ptr(stream),
+        }
+    }
+}
+
+// SAFETY: pushes exactly what cudarc pushes for the `CudaSlice<u8>` that `arg` owns (or the
+// device's sentinel, which lives for the process): a pointer to its `CUdeviceptr`, valid for
+// `'b`, and its read/write events. The kernel sees the device pointer of the array's elements.
+unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b Array<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b Array<T>) -> &mut Self {
+        self.arg(slice_of(arg))
+    }
+}
+
+// SAFETY: as for `&Array<T>`, through cudarc's implementation for `&mut CudaSlice<u8>` (which
+// also orders the launch after earlier reads and records the write).
+unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b mut Array<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut Array<T>) -> &mut Self {
+        match slice_mut_of(arg) {
+            SliceMut::Owned(slice) => self.arg(slice),
+            SliceMut::Sentinel(slice) => self.arg(slice),
+        }
+    }
+}

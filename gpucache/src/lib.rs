@@ -76,6 +76,24 @@
 //! * Host memory is always initialised (new buffers are zeroed), so [`Array::empty`] is never
 //!   undefined behaviour to read.
 //!
+//! ## CUDA (feature `cuda`)
+//!
+//! With the `cuda` feature, arrays live on [`Device::Cuda`] through [cudarc] (loaded at run
+//! time, so the crate builds on machines without CUDA; [`Device::cuda`] reports a missing
+//! driver or GPU as an [`Error`]). A CUDA array is a cudarc buffer: it passes straight to kernel
+//! launches and cuBLAS, with no copy. Allocations are stream-ordered on the thread's current
+//! stream, and arrays used on other streams are marked with `Array::record_stream`. The
+//! `cuda` module documents all of it, with an example.
+//!
+//! [cudarc]: https://docs.rs/cudarc
+//!
+//! ## Turning caching off
+//!
+//! `GPUCACHE_DISABLE=1` in the environment (read once, at the first allocation) turns caching
+//! off for the process: scopes are still entered, but every array allocates from the device
+//! and frees to it directly, so tools such as `compute-sanitizer` see every buffer's own
+//! allocation. [`stats`] then counts no hits or misses.
+//!
 //! ## Testing code that uses gpucache
 //!
 //! [`testing::CountingBackend`] counts allocations and frees and fails allocations on demand.

@@ -1,0 +1,526 @@
+//! GPU-level checks of the CUDA backend: kernels on cached arrays, zeroing of recycled buffers,
+//! escaping arrays, cross-stream reuse, out-of-memory recovery, `bool` copies, streams.
+//!
+//! Each GPU test skips with a notice when no CUDA GPU is usable, and fails instead when
+//! `GPUCACHE_REQUIRE_GPU=1`. Under `GPUCACHE_DISABLE=1` (caching off, for compute-sanitizer) the
+//! tests check the values and that nothing was cached instead of the hit counts.
+
+use std::error::Error as StdError;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use gpucache::cuda::cudarc::driver::sys::CUresult;
+use gpucache::cuda::cudarc::driver::{
+    CudaFunction, CudaStream, DevicePtr, DeviceSlice, DriverError, LaunchConfig, PushKernelArg,
+};
+use gpucache::cuda::cudarc::nvrtc::compile_ptx;
+use gpucache::{Array, CacheConfig, Device, Error, enter, stats};
+
+type TestResult = Result<(), Box<dyn StdError>>;
+
+/// CUDA GPU 0 with the GPU tests' lock held, or `None` (after a notice) when there is none.
+fn gpu() -> Option<(Device, MutexGuard<'static, ()>)> {
+    // The tests share one GPU, and the out-of-memory tests need all of it.
+    static LOCK: Mutex<()> = Mutex::new(());
+    match Device::cuda(0) {
+        Ok(dev) => Some((dev, LOCK.lock().unwrap_or_else(|p| p.into_inner()))),
+        Err(e) => {
+            assert!(
+                std::env::var_os("GPUCACHE_REQUIRE_GPU").is_none_or(|v| v != "1"),
+                "GPUCACHE_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e:?}"
+            );
+            eprintln!("notice: GPU test skipped, no usable CUDA device: {e:?}");
+            None
+        }
+    }
+}
+
+/// Whether caching is on (`GPUCACHE_DISABLE=1` turns it off).
+fn caching() -> bool {
+    std::env::var_os("GPUCACHE_DISABLE").is_none_or(|v| v != "1")
+}
+
+const KERNELS: &str = r#"
+extern "C" __global__ void fill(float* y, float v, unsigned n) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        y[i] = v;
+}
+extern "C" __global__ void affine(float* y, const float* x, float a, float b, unsigned n) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        y[i] = a * x[i] + b;
+}
+__device__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// One block: waits until *flag != 0 (status 1), or 2 s (status 2), then copies x to y.
+extern "C" __global__ void wait_copy(const volatile int* flag, const float* x, float* y,
+                                     unsigned n, int* status) {
+    if (threadIdx.x == 0) {
+        unsigned long long start = now_ns();
+        int seen = 0;
+        while (!seen && now_ns() - start < 2000000000ull) seen = *flag != 0;
+        *status = seen ? 1 : 2;
+    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
+}
+"#;
+
+struct Kernels {
+    fill: CudaFunction,
+    affine: CudaFunction,
+    wait_copy: CudaFunction,
+}
+
+/// The test kernels, compiled with NVRTC once per process.
+fn kernels(dev: Device) -> &'static Kernels {
+    static K: OnceLock<Kernels> = OnceLock::new();
+    K.get_or_init(|| {
+        let ptx = compile_ptx(KERNELS).expect("NVRTC compiles the test kernels");
+        let ctx = gpucache::cuda::context(dev).expect("context");
+        let module = ctx.load_module(ptx).expect("module loads");
+        let f = |name| module.load_function(name).expect("kernel exists");
+        Kernels {
+            fill: f("fill"),
+            affine: f("affine"),
+            wait_copy: f("wait_copy"),
+        }
+    })
+}
+
+/// Launch configuration for `n` elements (at least one block).
+fn cfg(n: usize) -> LaunchConfig {
+    LaunchConfig::for_num_elems(u32::try_from(n.max(1)).expect("small test arrays"))
+}
+
+/// Fills `y` with `v` on `stream`.
+fn fill(stream: &CudaStream, y: &mut Array<f32>, v: f32) -> TestResult {
+    let (n, config) = (y.len() as u32, cfg(y.len()));
+    let mut launch = stream.launch_builder(&kernels(y.device()).fill);
+    launch.arg(&mut *y).arg(&v).arg(&n);
+    // SAFETY: `fill` takes (float*, float, unsigned) and writes `n` elements of `y`.
+    unsafe { launch.launch(config) }?;
+    Ok(())
+}
+
+/// The device address of an array's buffer.
+fn addr(a: &Array<f32>) -> u64 {
+    let stream = Arc::clone(DeviceSlice::stream(a));
+    let (ptr, _record) = a.device_ptr(&stream);
+    ptr
+}
+
+fn current(dev: Device) -> Arc<CudaStream> {
+    gpucache::cuda::current_stream(dev).expect("current stream")
+}
+
+#[test]
+fn device_errors_are_typed() {
+    match Device::cuda(100_000) {
+        Err(Error::CudaDeviceNotFound { device, .. } | Error::CudaDriverNotFound { device }) => {
+            assert_eq!(device, Device::Cuda(100_000));
+        }
+        other => panic!("expected a missing device, got {other:?}"),
+    }
+    // The driver's error is wrapped, not stringified.
+    let err = Error::from(DriverError(CUresult::CUDA_ERROR_INVALID_VALUE));
+    let source = err.source().expect("a driver error has a source");
+    let driver = source
+        .downcast_ref::<DriverError>()
+        .expect("cudarc's DriverError");
+    assert_eq!(driver.0, CUresult::CUDA_ERROR_INVALID_VALUE);
+}
+
+#[test]
+fn cpu_arrays_are_refused_by_cuda_methods() {
+    let mut a = Array::<f32>::zeros(Device::Cpu, 4).unwrap();
+    assert!(matches!(
+        a.cuda_view(),
+        Err(Error::DeviceMismatch {
+            found: Device::Cpu,
+            ..
+        })
+    ));
+    assert!(matches!(
+        a.cuda_view_mut(),
+        Err(Error::DeviceMismatch {
+            found: Device::Cpu,
+            ..
+        })
+    ));
+    assert!(matches!(
+        gpucache::cuda::current_stream(Device::Cpu),
+        Err(Error::DeviceMismatch { .. })
+    ));
+}
+
+#[test]
+fn kernels_write_cached_arrays_and_values_round_trip() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let stream = current(dev);
+    let n = 10_000;
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    for step in 0..3 {
+        let _scope = enter("cuda-roundtrip");
+        let x = Array::from_slice(dev, &host, [100, 100])?;
+        let mut y = Array::<f32>::empty(dev, [100, 100])?;
+        let (a, b, len) = (2.0f32, step as f32, n as u32);
+        let mut launch = stream.launch_builder(&kernels(dev).affine);
+        launch.arg(&mut y).arg(&x).arg(&a).arg(&b).arg(&len);
+        // SAFETY: `affine` takes (float*, const float*, float, float, unsigned), n elements.
+        unsafe { launch.launch(cfg(n)) }?;
+        let want: Vec<f32> = host.iter().map(|v| 2.0 * v + step as f32).collect();
+        assert_eq!(y.to_vec()?, want, "step {step}");
+        assert_eq!(x.to_vec()?, host);
+    }
+    let s = stats("cuda-roundtrip");
+    if caching() {
+        assert_eq!((s.misses, s.hits), (2, 4));
+    } else {
+        assert_eq!((s.misses, s.hits, s.bytes_cached), (0, 0, 0));
+    }
+    Ok(())
+}
+
+#[test]
+fn zeros_zeroes_a_recycled_buffer_on_the_gpu() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let stream = current(dev);
+    let n = 1 << 20;
+    let first = {
+        let _scope = enter("cuda-zeros");
+        let mut a = Array::<f32>::zeros(dev, n)?;
+        fill(&stream, &mut a, 7.0)?;
+        addr(&a)
+    };
+    {
+        // `empty` hands the recycled buffer out as it is: the kernel's sevens are still there.
+        let _scope = enter("cuda-zeros");
+        let b = Array::<f32>::empty(dev, n)?;
+        if caching() {
+            assert_eq!(addr(&b), first);
+            assert!(b.to_vec()?.iter().all(|&v| v == 7.0));
+        } else {
+            assert!(b.to_vec()?.iter().all(|&v| v == 0.0)); // a fresh buffer is zeroed
+        }
+    }
+    {
+        let _scope = enter("cuda-zeros");
+        let c = Array::<f32>::zeros(dev, n)?;
+        if caching() {
+            assert_eq!(addr(&c), first);
+        }
+        assert!(c.to_vec()?.iter().all(|&v| v == 0.0));
+    }
+    let s = stats("cuda-zeros");
+    assert_eq!(s.hits, if caching() { 2 } else { 0 });
+    Ok(())
+}
+
+#[test]
+fn an_escaped_array_is_not_overwritten_by_later_steps() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let stream = current(dev);
+    let n = 4096;
+    let step = |v: f32| -> Result<Array<f32>, Box<dyn StdError>> {
+        let _scope = enter("cuda-escape");
+        let mut scratch = Array::<f32>::empty(dev, n)?;
+        fill(&stream, &mut scratch, -v)?;
+        let mut out = Array::<f32>::empty(dev, n)?;
+        fill(&stream, &mut out, v)?;
+        Ok(out) // escapes; `scratch` is recycled by the next step
+    };
+    let kept = step(1.0)?;
+    let kept_addr = addr(&kept);
+    for i in 2..6 {
+        let later = step(i as f32)?;
+        assert_ne!(addr(&later), kept_addr);
+        assert!(later.to_vec()?.iter().all(|&v| v == i as f32));
+    }
+    assert!(kept.to_vec()?.iter().all(|&v| v == 1.0));
+    let s = stats("cuda-escape");
+    if caching() {
+        // Step 1 allocates both buffers; later steps recycle the scratch and the previous
+        // step's (dropped) output.
+        assert_eq!(s.misses, 3);
+        assert_eq!(s.hits, 7);
+    }
+    drop(kept);
+    Ok(())
+}
+
+#[test]
+fn cross_stream_reuse_waits_for_the_marked_stream() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let ctx = gpucache::cuda::context(dev)?;
+    let side = ctx.new_stream()?; // B: reads the array
+    let signal = ctx.new_stream()?; // C: releases B's kernel
+    let main = current(dev); // A: the thread's current (default) stream
+    let n = 1 << 16;
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
+    let mut flag = Array::<i32>::zeros(dev, 1)?;
+    let mut status = Array::<i32>::zeros(dev, 1)?;
+    let mut out = Array::<f32>::zeros(dev, n)?;
+    // B's kernel polls the flag through a plain pointer: the flag's writer must not wait for it.
+    let flag_ptr: u64 = flag.device_ptr(&main).0;
+    main.synchronize()?;
+
+    let x_addr;
+    {
+        let _scope = enter("cuda-xstream");
+        let x = Array::from_slice(dev, &host, n)?;
+        x_addr = addr(&x);
+        side.join(&main)?; // B sees x's contents
+        let len = n as u32;
+        let mut launch = side.launch_builder(&kernels(dev).wait_copy);
+        launch
+            .arg(&flag_ptr)
+            .arg(&x)
+            .arg(&mut out)
+            .arg(&len)
+            .arg(&mut status);
+        // SAFETY: `wait_copy` takes (const int*, const float*, float*, unsigned, int*); `flag`
+        // is alive until the end of the test, x and out hold n elements.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        x.record_stream(&side)?;
+    } // x dropped while B's kernel still waits: its buffer must not be reused yet
+
+    let launched = side.record_event(None)?; // completes when B's kernel has finished
+
+    let mut deferred = false;
+    {
+        let _scope = enter("cuda-xstream");
+        let y = Array::from_slice(dev, &vec![-1.0f32; n], n)?; // written on A at once
+        // B's kernel waits for the flag (up to 2 s), so it is still running here, unless the
+        // launch itself waited for the kernel (tools that serialise launches): then reusing
+        // x's buffer would have been right, and there is nothing to observe.
+        if !launched.is_complete() {
+            deferred = true;
+            if caching() {
+                assert_ne!(
+                    addr(&y),
+                    x_addr,
+                    "x's buffer was reused while B still reads it"
+                );
+                let s = stats("cuda-xstream");
+                assert_eq!((s.misses, s.hits), (2, 0));
+            }
+        }
+        main.synchronize()?; // A's work is done while B may still wait
+    }
+
+    // Release B's kernel and wait for it.
+    signal.memcpy_htod(&[1i32], &mut flag)?;
+    side.synchronize()?;
+    match (deferred, status.to_vec()?[0]) {
+        (true, 1) => eprintln!("B was still running at the reuse check: x's buffer was deferred"),
+        (true, _) => eprintln!("notice: B's kernel gave up waiting for the flag (serialised work)"),
+        (false, _) => eprintln!("notice: B finished before the reuse check (serialised launches)"),
+    }
+    assert_eq!(
+        out.to_vec()?,
+        host,
+        "B read x's values, not what A wrote later"
+    );
+
+    {
+        // B is done: x's buffer comes back from the deferred list.
+        let _scope = enter("cuda-xstream");
+        let a = Array::<f32>::empty(dev, n)?;
+        let b = Array::<f32>::empty(dev, n)?;
+        if caching() {
+            assert!(addr(&a) == x_addr || addr(&b) == x_addr);
+            let s = stats("cuda-xstream");
+            assert_eq!((s.misses, s.hits), (2, 2));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_buffer_recycled_on_another_stream_moves_to_it() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let ctx = gpucache::cuda::context(dev)?;
+    let (s1, s2) = (ctx.new_stream()?, ctx.new_stream()?);
+    let n = 1 << 18;
+    {
+        let _on_s1 = gpucache::cuda::use_stream(&s1)?;
+        let _scope = enter("cuda-restream");
+        let mut a = Array::<f32>::empty(dev, n)?;
+        assert_eq!(**DeviceSlice::stream(&a), *s1);
+        fill(&s1, &mut a, 3.0)?;
+    }
+    let _on_s2 = gpucache::cuda::use_stream(&s2)?;
+    let _scope = enter("cuda-restream");
+    let b = Array::<f32>::empty(dev, n)?;
+    assert_eq!(**DeviceSlice::stream(&b), *s2);
+    if caching() {
+        assert_eq!(stats("cuda-restream").hits, 1);
+        assert!(b.to_vec()?.iter().all(|&v| v == 3.0)); // ordered after s1's fill
+    }
+    Ok(())
+}
+
+#[test]
+fn out_of_memory_releases_the_cache_and_reports_a_typed_error() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let (_, total) = gpucache::cuda::mem_get_info(dev)?;
+    let cached = 1usize << 30;
+    {
+        let _scope = enter("cuda-oom");
+        let _big = Array::<u8>::empty(dev, cached)?;
+    }
+    if caching() {
+        assert_eq!(stats("cuda-oom").bytes_cached, cached);
+    }
+    let too_much = 2 * total;
+    let err = {
+        let _scope = enter("cuda-oom");
+        Array::<u8>::empty(dev, too_much).expect_err("more than the card has")
+    };
+    match err {
+        Error::OutOfMemory {
+            device,
+            requested,
+            cached: still_cached,
+            ..
+        } => {
+            assert_eq!((device, requested, still_cached), (dev, too_much, 0));
+        }
+        other => panic!("expected Error::OutOfMemory, got {other:?}"),
+    }
+    let s = stats("cuda-oom");
+    assert_eq!(s.bytes_cached, 0, "the cache was released");
+    if caching() {
+        assert_eq!(s.device_frees, 1);
+    }
+    Ok(())
+}
+
+#[test]
+fn releasing_the_cache_lets_a_tight_allocation_succeed() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    if !caching() {
+        return Ok(()); // nothing is cached to release
+    }
+    let cached = 4usize << 30;
+    {
+        let _scope = enter("cuda-oom-retry");
+        let _big = Array::<u8>::empty(dev, cached)?;
+    }
+    current(dev).synchronize()?;
+    let (free, _) = gpucache::cuda::mem_get_info(dev)?;
+    // Fits only once the cached 4 GiB are given back.
+    let want = free + cached / 2;
+    let a = Array::<u8>::empty(dev, want)?;
+    assert_eq!(a.len(), want);
+    let s = stats("cuda-oom-retry");
+    assert_eq!((s.bytes_cached, s.device_frees), (0, 1));
+    Ok(())
+}
+
+#[test]
+fn bool_arrays_read_any_nonzero_byte_as_true() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let stream = current(dev);
+    let b = Array::from_slice(dev, &[true, false, true], 3)?;
+    assert_eq!(b.to_vec()?, [true, false, true]);
+    let mut raw = Array::<bool>::zeros(dev, 5)?;
+    {
+        let mut view = raw.cuda_view_mut()?;
+        // SAFETY: the view covers 5 one-byte elements; written as bytes, read back by to_vec.
+        let mut bytes = unsafe { view.transmute_mut::<u8>(5) }.expect("5 bytes");
+        stream.memcpy_htod(&[0u8, 1, 2, 255, 0], &mut bytes)?;
+    }
+    assert_eq!(raw.to_vec()?, [false, true, true, true, false]);
+    Ok(())
+}
+
+#[test]
+fn zero_size_arrays_and_stream_marks() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let stream = current(dev);
+    let mut e = Array::<f32>::zeros(dev, [0, 8])?;
+    assert_eq!(e.cuda_view()?.len(), 0);
+    assert!(matches!(e.cuda_view_mut(), Err(Error::EmptyArray { .. })));
+    assert_eq!(e.to_vec()?, Vec::<f32>::new());
+    fill(&stream, &mut e, 1.0)?; // a kernel may take it; it writes nothing
+    stream.synchronize()?;
+    let side = gpucache::cuda::context(dev)?.new_stream()?;
+    e.record_stream(&side)?;
+    let a = Array::<f32>::zeros(dev, 8)?;
+    a.record_stream(&stream)?; // its own stream: nothing to do
+    a.record_stream(&side)?;
+    a.record_stream(&side)?; // once is enough
+    let cpu = Array::<f32>::zeros(Device::Cpu, 8)?;
+    assert!(matches!(
+        cpu.record_stream(&side),
+        Err(Error::DeviceMismatch { .. })
+    ));
+    drop(a); // waits for `side` on the device before the memory is freed
+    side.synchronize()?;
+    Ok(())
+}
+
+#[test]
+fn immediate_reuse_is_stream_ordered() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    let stream = current(dev);
+    gpucache::configure(
+        "cuda-immediate",
+        CacheConfig {
+            reuse: gpucache::Reuse::Immediate,
+            ..CacheConfig::default()
+        },
+    );
+    let _scope = enter("cuda-immediate");
+    let n = 1 << 20;
+    let mut sum = 0.0f64;
+    for i in 0..10 {
+        let mut t = Array::<f32>::empty(dev, n)?;
+        fill(&stream, &mut t, i as f32)?;
+        let t2 = {
+            let mut t2 = Array::<f32>::empty(dev, n)?;
+            let (a, b, len) = (1.0f32, 0.5f32, n as u32);
+            let mut launch = stream.launch_builder(&kernels(dev).affine);
+            launch.arg(&mut t2).arg(&t).arg(&a).arg(&b).arg(&len);
+            // SAFETY: as in the round-trip test.
+            unsafe { launch.launch(cfg(n)) }?;
+            t2
+        };
+        drop(t); // recycled at once, for the next iteration's `t`
+        sum += f64::from(t2.to_vec()?[n - 1]);
+    }
+    assert_eq!(sum, (0..10).map(|i| f64::from(i as f32 + 0.5)).sum::<f64>());
+    if caching() {
+        assert_eq!(stats("cuda-immediate").misses, 2);
+    }
+    Ok(())
+}

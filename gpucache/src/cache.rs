@@ -366,7 +366,7 @@ impl CacheCell {
     }
 
     fn try_hold(&self) -> Option<Held<'_>> {
-        self.lock.try_lock().then_some(Held(self))
+        self.lock.try_lock().then(|| Held(self))
     }
 
     /// Runs `f` on the cache state. Owner thread only; `f` must not call back into any cache.

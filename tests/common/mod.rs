@@ -1,0 +1,71 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::sync::{Mutex, MutexGuard, Once};
+
+use gpucache::{Array, Device, Element, Shape, enter};
+
+/// The devices a device-generic test runs on: the CPU, and CUDA GPU 0 when this build has the
+/// `cuda` feature and a GPU is present. With `GPUCACHE_REQUIRE_GPU=1` a missing GPU is a test
+/// failure instead of a skip.
+pub fn devices() -> Vec<Device> {
+    static NOTICE: Once = Once::new();
+    match Device::cuda(0) {
+        Ok(gpu) => vec![Device::Cpu, gpu],
+        Err(e) => {
+            assert!(
+                std::env::var_os("GPUCACHE_REQUIRE_GPU").is_none_or(|v| v != "1"),
+                "GPUCACHE_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"
+            );
+            NOTICE.call_once(|| eprintln!("notice: GPU variants of the tests skipped: {e}"));
+            vec![Device::Cpu]
+        }
+    }
+}
+
+/// Runs `test` once per device of [`devices`], with a cache name unique to the test and the
+/// device (tests of one binary may share a thread when run with `--test-threads=1`).
+pub fn for_each_device(test: &str, f: impl Fn(Device, &str)) {
+    for dev in devices() {
+        let name = format!("{test}@{dev}");
+        f(dev, &name);
+    }
+}
+
+/// An array of `shape` on `dev` with every element `value`.
+pub fn filled<T: Element>(dev: Device, value: T, shape: impl Into<Shape>) -> Array<T> {
+    let shape = shape.into();
+    let n = shape.numel().expect("test shapes are small");
+    Array::from_slice(dev, &vec![value; n], shape).expect("allocation")
+}
+
+/// Whether every element of `a` is `value`.
+pub fn all_eq<T: Element + PartialEq>(a: &Array<T>, value: T) -> bool {
+    a.to_vec()
+        .expect("copy to host")
+        .iter()
+        .all(|&x| x == value)
+}
+
+/// The host address of a CPU array's buffer (to check which buffer an array got).
+pub fn addr<T: Element>(a: &Array<T>) -> usize {
+    a.as_slice().expect("host array").as_ptr() as usize
+}
+
+/// A step of cache `name` that uses a scratch array (freed at the scope's exit) and returns an
+/// array of `N_ESCAPE` elements holding `value`, which escapes the scope.
+pub fn escaping_step(dev: Device, name: &str, value: f32) -> Array<f32> {
+    let _scope = enter(name);
+    let scratch = filled(dev, -1.0f32, N_ESCAPE);
+    drop(scratch);
+    filled(dev, value, N_ESCAPE)
+}
+
+/// Elements of the arrays of [`escaping_step`]: 1 KiB of `f32`.
+pub const N_ESCAPE: usize = 256;
+
+/// Serialises the tests of one binary that act on every thread's caches.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

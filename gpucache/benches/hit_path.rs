@@ -6,7 +6,10 @@
 //!
 //! * `empty/1KiB`, `empty/64MiB`: `Array::<f32>::empty` + drop inside a long-lived scope under
 //!   `Reuse::Immediate` (so every allocation is a hit) vs `alloc_zeroed` + `dealloc` of the same
-//!   size with the CPU backend's 64-byte alignment.
+//!   size with the CPU backend's 64-byte alignment (`system`; for an alignment above 16 the
+//!   standard library cannot use `calloc` and zeroes the buffer itself, touching every page) and
+//!   vs `vec![0u8; n]` (`system_vec`: `calloc`, whose large buffers are fresh `mmap` pages,
+//!   zeroed lazily by the kernel on first touch).
 //! * `empty_touched/1KiB`, `empty_touched/64MiB`: the same, writing one byte per 4 KiB page
 //!   before the drop: fresh memory from `mmap` faults on first touch, a recycled buffer does not.
 //! * `zeros/1KiB`: `Array::<f32>::zeros` on a hit vs `alloc_zeroed`.
@@ -156,6 +159,14 @@ fn bench_empty(c: &mut Criterion) {
                         let mut buf = black_box(SystemBuf::zeroed(bytes));
                         if touched {
                             touch_pages(buf.bytes());
+                        }
+                    })
+                });
+                g.bench_function("system_vec", |b| {
+                    b.iter(|| {
+                        let mut buf = black_box(vec![0u8; bytes]);
+                        if touched {
+                            touch_pages(&mut buf);
                         }
                     })
                 });

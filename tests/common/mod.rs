@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod pattern;
+
 use std::sync::{Mutex, MutexGuard, Once};
 
 use gpucache::{Array, Device, Element, Shape, enter};
@@ -68,4 +70,40 @@ pub const N_ESCAPE: usize = 256;
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// xorshift64*: a tiny deterministic generator for the stress and fault tests.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
+    }
+
+    /// One of `items`, uniformly.
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+/// A number from the environment variable `var`, or `default` when it is unset.
+pub fn env_or(var: &str, default: usize) -> usize {
+    match std::env::var(var) {
+        Ok(v) => v
+            .parse()
+            .unwrap_or_else(|_| panic!("{var}={v:?} is not a number")),
+        Err(_) => default,
+    }
 }

@@ -289,7 +289,11 @@ mod tests {
     /// lines so the moves stay a few vector stores.
     #[test]
     fn arrays_stay_small() {
-        assert!(mem::size_of::<Array<f32>>() <= 128, "{}", mem::size_of::<Array<f32>>());
+        assert!(
+            mem::size_of::<Array<f32>>() <= 128,
+            "{}",
+            mem::size_of::<Array<f32>>()
+        );
         assert_eq!(mem::size_of::<Option<Home>>(), 16);
     }
 }

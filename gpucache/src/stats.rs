@@ -63,6 +63,31 @@ impl fmt::Display for CacheStats {
     }
 }
 
+/// What gpucache has done on one device, counted by the backend that serves it (see
+/// [`device_stats`](crate::device_stats)): every allocation and free gpucache made there, cached
+/// or not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DeviceStats {
+    /// Buffers allocated from the device.
+    pub allocs: u64,
+    /// Buffers given back to the device.
+    pub frees: u64,
+    /// Bytes allocated and not yet given back.
+    pub bytes_allocated: usize,
+}
+
+impl fmt::Display for DeviceStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "device allocs {} frees {}, {} allocated",
+            self.allocs,
+            self.frees,
+            Bytes(self.bytes_allocated)
+        )
+    }
+}
+
 /// A byte count printed in binary units (`1.5 MiB`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Bytes(pub usize);

@@ -8,17 +8,19 @@
 
 use std::alloc::{self, Layout};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::{AllocError, Backend, HOST_ALIGN, HostBuf, Storage};
-use crate::Device;
+use crate::{Device, DeviceStats};
 
 /// Buffers of at least this many bytes are mapped from the kernel directly.
 pub(crate) const MAP_THRESHOLD: usize = 1 << 20;
 
-/// Host memory, with a count of the bytes outstanding.
+/// Host memory, with counts of what was allocated and freed.
 #[derive(Debug, Default)]
 pub(crate) struct CpuBackend {
+    allocs: AtomicU64,
+    frees: AtomicU64,
     outstanding: AtomicUsize,
 }
 
@@ -62,6 +64,7 @@ impl Backend for CpuBackend {
             NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
         };
         let ptr = ptr.ok_or(AllocError::OutOfMemory)?;
+        self.allocs.fetch_add(1, Ordering::Relaxed);
         self.outstanding.fetch_add(bytes, Ordering::Relaxed);
         Ok(Storage::Host(HostBuf { ptr, bytes }))
     }
@@ -81,10 +84,15 @@ impl Backend for CpuBackend {
             // so it is freed exactly once.
             unsafe { alloc::dealloc(buf.ptr.as_ptr(), layout) };
         }
+        self.frees.fetch_add(1, Ordering::Relaxed);
         self.outstanding.fetch_sub(buf.bytes, Ordering::Relaxed);
     }
 
-    fn allocated_bytes(&self, _device: Device) -> usize {
-        self.outstanding.load(Ordering::Relaxed)
+    fn stats(&self, _device: Device) -> DeviceStats {
+        DeviceStats {
+            allocs: self.allocs.load(Ordering::Relaxed),
+            frees: self.frees.load(Ordering::Relaxed),
+            bytes_allocated: self.outstanding.load(Ordering::Relaxed),
+        }
     }
 }

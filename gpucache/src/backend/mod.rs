@@ -16,7 +16,7 @@ use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::{Arc, LazyLock};
 
-use crate::{Device, Error, Result};
+use crate::{Device, DeviceStats, Error, Result};
 
 /// Alignment of every host allocation, in bytes (a cache line, and enough for AVX-512 loads).
 pub(crate) const HOST_ALIGN: usize = 64;
@@ -28,8 +28,8 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError>;
     /// Gives memory made by [`Backend::alloc`] on `device` back.
     fn free(&self, device: Device, storage: Storage);
-    /// Bytes this backend has handed out on `device` and not yet had back.
-    fn allocated_bytes(&self, device: Device) -> usize;
+    /// What this backend has done on `device`.
+    fn stats(&self, device: Device) -> DeviceStats;
 }
 
 /// Why an allocation failed.

@@ -6,12 +6,12 @@
 
 mod common;
 
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::thread;
 
 use common::{all_eq, escaping_step, filled, for_each_device, serial};
 use gpucache::testing::{CountingBackend, use_backend};
-use gpucache::{Array, CacheConfig, Device, Error, Reuse, Shape, enter, stats};
+use gpucache::{Array, Device, Error, Reuse, Shape, enter, stats};
 
 #[test]
 fn shape_overflow_is_a_typed_error() {
@@ -178,34 +178,62 @@ fn a_device_limit_is_met_by_releasing_the_cache() {
     assert_eq!(big.len(), 2048);
 }
 
+/// A worker thread's side of [`on_worker`]: `pause` hands control to the main thread and
+/// waits until it is done.
+struct Pause {
+    to_main: mpsc::Sender<()>,
+    from_main: mpsc::Receiver<()>,
+}
+
+impl Pause {
+    fn pause(&self) {
+        self.to_main.send(()).unwrap();
+        self.from_main.recv().unwrap();
+    }
+}
+
+/// Runs `worker` on a new thread with `backend` installed; when it calls `Pause::pause`, runs
+/// `main` on this thread, then lets the worker finish. Returns what the worker returns. If
+/// `main` panics, the worker's `pause` fails too, so nothing hangs.
+fn on_worker<R: Send>(
+    backend: &Arc<CountingBackend>,
+    worker: impl FnOnce(&Pause) -> R + Send,
+    main: impl FnOnce(),
+) -> R {
+    let (to_main, from_worker) = mpsc::channel();
+    let (to_worker, from_main) = mpsc::channel();
+    thread::scope(move |s| {
+        let handle = s.spawn(move || {
+            let _installed = use_backend(backend);
+            worker(&Pause { to_main, from_main })
+        });
+        from_worker.recv().unwrap();
+        main();
+        to_worker.send(()).unwrap();
+        handle.join().unwrap()
+    })
+}
+
 #[test]
 fn out_of_memory_releases_other_threads_caches() {
     let _serial = serial();
     let backend = CountingBackend::new();
-    let (to_worker, from_main) = mpsc::channel::<()>();
-    let (to_main, from_worker) = mpsc::channel::<usize>();
-    let backend = &backend;
-    thread::scope(move |s| {
-        s.spawn(move || {
-            let _installed = use_backend(backend);
+    let worker_cached = on_worker(
+        &backend,
+        |pause| {
             cache_three("other-thread");
-            to_main.send(0).unwrap();
-            from_main.recv().unwrap();
-            to_main.send(stats("other-thread").bytes_cached).unwrap();
-        });
-        from_worker.recv().unwrap();
-        let _installed = use_backend(backend);
-        backend.set_limit(Some(4096));
-        let a = Array::<u8>::zeros(Device::Cpu, 2048).unwrap();
-        assert_eq!(backend.outstanding_bytes(), 2048);
-        to_worker.send(()).unwrap();
-        assert_eq!(
-            from_worker.recv().unwrap(),
-            0,
-            "the worker's cache was released"
-        );
-        drop(a);
-    });
+            pause.pause();
+            stats("other-thread").bytes_cached
+        },
+        || {
+            let _installed = use_backend(&backend);
+            backend.set_limit(Some(4096));
+            let a = Array::<u8>::zeros(Device::Cpu, 2048).unwrap();
+            assert_eq!(backend.outstanding_bytes(), 2048);
+            drop(a);
+        },
+    );
+    assert_eq!(worker_cached, 0, "the worker's cache was released");
     assert_eq!(backend.outstanding_bytes(), 0);
 }
 
@@ -213,49 +241,31 @@ fn out_of_memory_releases_other_threads_caches() {
 fn empty_cache_reaches_every_thread() {
     let _serial = serial();
     let backend = CountingBackend::new();
-    let (to_worker, from_main) = mpsc::channel::<()>();
-    let (to_main, from_worker) = mpsc::channel::<usize>();
-    let backend = &backend;
-    thread::scope(move |s| {
-        s.spawn(move || {
-            let _installed = use_backend(backend);
+    let (busy_during, busy_after) = on_worker(
+        &backend,
+        |pause| {
             // An idle cache, released by `empty_cache` at once.
             drop(escaping_step(Device::Cpu, "idle", 1.0));
             // A cache inside a scope, released when the scope exits.
-            gpucache::configure(
-                "busy",
-                CacheConfig {
-                    reuse: Reuse::Immediate,
-                    ..Default::default()
-                },
-            );
+            common::configure("busy", |c| c.reuse = Reuse::Immediate);
             let scope = enter("busy");
             drop(Array::<u8>::zeros(Device::Cpu, 100).unwrap());
-            to_main.send(0).unwrap();
-            from_main.recv().unwrap();
-            to_main.send(stats("busy").bytes_cached).unwrap();
+            pause.pause();
+            let during = stats("busy").bytes_cached;
             drop(scope);
-            to_main.send(stats("busy").bytes_cached).unwrap();
-        });
-        from_worker.recv().unwrap();
-        assert_eq!(backend.outstanding_bytes(), 2 * 1024 + 100);
-        gpucache::empty_cache();
-        assert_eq!(
-            backend.outstanding_bytes(),
-            100,
-            "the idle cache was released"
-        );
-        to_worker.send(()).unwrap();
-        assert_eq!(
-            from_worker.recv().unwrap(),
-            100,
-            "busy: kept until its scope exits"
-        );
-        assert_eq!(
-            from_worker.recv().unwrap(),
-            0,
-            "released when the scope exited"
-        );
-    });
+            (during, stats("busy").bytes_cached)
+        },
+        || {
+            assert_eq!(backend.outstanding_bytes(), 2 * 1024 + 100);
+            gpucache::empty_cache();
+            assert_eq!(
+                backend.outstanding_bytes(),
+                100,
+                "the idle cache was released"
+            );
+        },
+    );
+    assert_eq!(busy_during, 100, "busy: kept until its scope exits");
+    assert_eq!(busy_after, 0, "released when the scope exited");
     assert_eq!(backend.outstanding_bytes(), 0);
 }

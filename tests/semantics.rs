@@ -9,7 +9,7 @@ use std::thread;
 
 use common::{addr, all_eq, escaping_step, filled, for_each_device};
 use gpucache::testing::{CountingBackend, use_backend};
-use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, enter, stats};
+use gpucache::{Array, Device, KeyPolicy, Reuse, enter, stats};
 
 const N: usize = 256; // elements per test array: 1 KiB of f32
 
@@ -87,13 +87,7 @@ fn zeros_zeroes_a_recycled_buffer_and_empty_recycles_it() {
 #[test]
 fn bool_arrays_from_recycled_bytes_are_valid() {
     for_each_device("bools", |dev, name| {
-        gpucache::configure(
-            name,
-            CacheConfig {
-                key: KeyPolicy::SizeClass,
-                ..Default::default()
-            },
-        );
+        common::configure(name, |c| c.key = KeyPolicy::SizeClass);
         {
             let _scope = enter(name);
             filled(dev, 0xABu8, 512);
@@ -352,13 +346,7 @@ fn reuse_immediate_recycles_within_the_scope() {
     for_each_device("immediate", |dev, name| {
         let on_exit = format!("{name}/on-exit");
         for (cache, reuse, misses) in [(name, Reuse::Immediate, 1), (&*on_exit, Reuse::OnExit, 3)] {
-            gpucache::configure(
-                cache,
-                CacheConfig {
-                    reuse,
-                    ..Default::default()
-                },
-            );
+            common::configure(cache, |c| c.reuse = reuse);
             let _scope = enter(cache);
             for _ in 0..3 {
                 drop(Array::<f32>::zeros(dev, N).unwrap());
@@ -372,13 +360,7 @@ fn reuse_immediate_recycles_within_the_scope() {
 #[test]
 fn max_cached_bytes_evicts_least_recently_used() {
     for_each_device("lru", |dev, name| {
-        gpucache::configure(
-            name,
-            CacheConfig {
-                max_cached_bytes: Some(3 * 1024),
-                ..Default::default()
-            },
-        );
+        common::configure(name, |c| c.max_cached_bytes = Some(3 * 1024));
         let shapes = [[N, 1], [1, N], [N / 2, 2], [2, N / 2]];
         {
             let _scope = enter(name);
@@ -415,13 +397,7 @@ fn lowering_the_cap_evicts_at_once() {
             let _b = Array::<u8>::zeros(dev, N).unwrap();
         }
         assert_eq!(stats(name).bytes_cached, 1024 + 256);
-        gpucache::configure(
-            name,
-            CacheConfig {
-                max_cached_bytes: Some(0),
-                ..Default::default()
-            },
-        );
+        common::configure(name, |c| c.max_cached_bytes = Some(0));
         let s = stats(name);
         assert_eq!((s.bytes_cached, s.evictions), (0, 2));
     });
@@ -430,13 +406,7 @@ fn lowering_the_cap_evicts_at_once() {
 #[test]
 fn size_classes_share_buffers_across_shapes_and_dtypes() {
     for_each_device("size-class", |dev, name| {
-        gpucache::configure(
-            name,
-            CacheConfig {
-                key: KeyPolicy::SizeClass,
-                ..Default::default()
-            },
-        );
+        common::configure(name, |c| c.key = KeyPolicy::SizeClass);
         {
             let _scope = enter(name);
             filled(dev, 1.0f32, 250); // 1000 bytes: class 1024
@@ -459,13 +429,7 @@ fn size_classes_share_buffers_across_shapes_and_dtypes() {
 fn changing_the_key_policy_invalidates() {
     for_each_device("rekey", |dev, name| {
         let live = escaping_step(dev, name, 2.0);
-        gpucache::configure(
-            name,
-            CacheConfig {
-                key: KeyPolicy::SizeClass,
-                ..Default::default()
-            },
-        );
+        common::configure(name, |c| c.key = KeyPolicy::SizeClass);
         let s = stats(name);
         assert_eq!((s.bytes_cached, s.invalidations), (0, 1));
         assert!(all_eq(&live, 2.0));

@@ -144,10 +144,10 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use registry::{configure, empty_cache, invalidate, stats, summary};
+pub use registry::{configure, device_stats, empty_cache, invalidate, stats, summary};
 pub use scope::{ScopeGuard, current_scope, enter};
 pub use shape::Shape;
-pub use stats::CacheStats;
+pub use stats::{CacheStats, DeviceStats};
 
 /// The block macro `cache_scope!(name, { ... })`: runs a block inside the scope `name`. (The
 /// attribute is [`#[cache_scope]`](crate::prelude::cache_scope) in the prelude.)

@@ -125,8 +125,15 @@ pub fn current_scope() -> Option<String> {
     with_current(|cell| cell.map(|c| c.name().to_owned()))
 }
 
+/// The innermost entered cache of this thread, or null (for comparison only).
+#[inline]
+pub(crate) fn current_ptr() -> *const CacheCell {
+    CURRENT.get()
+}
+
 /// Runs `f` with the innermost entered cache of this thread (`None` outside any scope, or once
 /// the cache is closed by thread teardown).
+#[inline]
 pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     let ptr = CURRENT.get();
     // SAFETY: a non-null `CURRENT` is the innermost entry of `STACK` (or the last entered cache

@@ -5,7 +5,7 @@ pub mod pattern;
 
 use std::sync::{Mutex, MutexGuard, Once};
 
-use gpucache::{Array, Device, Element, Shape, enter};
+use gpucache::{Array, CacheConfig, Device, Element, Shape, enter};
 
 /// The devices a device-generic test runs on: the CPU, and CUDA GPU 0 when this build has the
 /// `cuda` feature and a GPU is present. With `GPUCACHE_REQUIRE_GPU=1` a missing GPU is a test
@@ -70,6 +70,13 @@ pub const N_ESCAPE: usize = 256;
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Configures the calling thread's cache `name`: the default options, changed by `set`.
+pub fn configure(name: &str, set: impl FnOnce(&mut CacheConfig)) {
+    let mut config = CacheConfig::default();
+    set(&mut config);
+    gpucache::configure(name, config);
 }
 
 /// xorshift64*: a tiny deterministic generator for the stress and fault tests.

@@ -765,9 +765,10 @@ impl Inner {
     fn push_free(&mut self, st: &Counters, slot: u32, block: Block) {
         add(&st.bytes_cached, block.bytes());
         if self.config.max_cached_bytes.is_none() {
-            self.slots[slot as usize]
-                .free
-                .push(Free { block, stamp: 0 });
+            // Stamped without a cap too, so that a cap set later evicts in LRU order.
+            self.clock += 1;
+            let stamp = self.clock;
+            self.slots[slot as usize].free.push(Free { block, stamp });
         } else {
             self.push_free_capped(st, slot, block);
         }
@@ -864,8 +865,7 @@ impl Inner {
         }
     }
 
-    /// Rebuilds the LRU order from the free lists (or drops it when there is no cap). Buffers
-    /// freed while there was no cap (stamp 0) count as older than any other, in list order.
+    /// Rebuilds the LRU order from the free lists (or drops it when there is no cap).
     fn rebuild_lru(&mut self) {
         self.lru.clear();
         if self.config.max_cached_bytes.is_none() {

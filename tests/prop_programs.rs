@@ -30,9 +30,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread;
 
 use common::pattern::{AnyArray, Dt, Init, first_overlap};
-use common::serial;
+use common::{configure, serial};
 use gpucache::testing::{CountingBackend, use_backend};
-use gpucache::{CacheConfig, CacheStats, Device, KeyPolicy, Reuse, ScopeGuard};
+use gpucache::{Array, CacheConfig, CacheStats, Device, KeyPolicy, Reuse, ScopeGuard};
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::FileFailurePersistence;
@@ -297,6 +297,28 @@ fn dropping_the_outer_guard_of_a_recursive_scope_keeps_the_inner_entry_current()
     assert_eq!(gpucache::current_scope().as_deref(), Some("ooo-b"));
     drop(middle);
     assert_eq!(gpucache::current_scope(), None);
+}
+
+/// Found by `random_programs_keep_every_invariant`: buffers cached while the cache had no byte
+/// cap keep their least-recently-freed order when a cap is set later.
+#[test]
+fn a_cap_set_later_evicts_the_least_recently_freed_first() {
+    let _serial = serial();
+    let name = "cap-set-later";
+    {
+        let _scope = gpucache::enter(name);
+        let small = Array::<u8>::zeros(Device::Cpu, 300).unwrap(); // the first key
+        let big = Array::<i64>::zeros(Device::Cpu, 100).unwrap(); // 800 bytes
+        drop(big); // freed first
+        drop(small);
+    }
+    configure(name, |c| c.max_cached_bytes = Some(700));
+    let s = gpucache::stats(name);
+    assert_eq!(
+        (s.evictions, s.bytes_cached),
+        (1, 300),
+        "the least recently freed buffer alone goes: {s}"
+    );
 }
 
 /// Runs `program` on a fresh thread (so that its caches start empty and are closed at the end)

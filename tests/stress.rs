@@ -19,9 +19,9 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::thread;
 
 use common::pattern::{AnyArray, Dt, Init};
-use common::{Rng, env_or};
+use common::{Rng, configure, env_or};
 use gpucache::testing::{CountingBackend, use_backend};
-use gpucache::{CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
+use gpucache::{Device, KeyPolicy, Reuse, ScopeGuard};
 
 const THREADS: usize = 8;
 const DEFAULT_OPS: usize = 100_000;
@@ -108,25 +108,17 @@ struct Worker {
 impl Worker {
     fn new(thread: usize, next: Sender<Tagged>, inbox: Receiver<Tagged>) -> Worker {
         // Threads differ in how their caches are configured.
-        gpucache::configure(
-            "inner",
-            CacheConfig {
-                reuse: if thread.is_multiple_of(2) {
-                    Reuse::OnExit
-                } else {
-                    Reuse::Immediate
-                },
-                ..Default::default()
-            },
-        );
-        gpucache::configure(
-            "aux",
-            CacheConfig {
-                key: KeyPolicy::SizeClass,
-                max_cached_bytes: (thread % 4 < 2).then_some(2048),
-                ..Default::default()
-            },
-        );
+        configure("inner", |c| {
+            c.reuse = if thread.is_multiple_of(2) {
+                Reuse::OnExit
+            } else {
+                Reuse::Immediate
+            }
+        });
+        configure("aux", |c| {
+            c.key = KeyPolicy::SizeClass;
+            c.max_cached_bytes = (thread % 4 < 2).then_some(2048);
+        });
         Worker {
             thread,
             rng: Rng::new(thread as u64 + 1),

@@ -341,7 +341,8 @@ fn run(program: &[Op]) {
                 }
             }
         });
-        let main = s.spawn(move || {
+        let program = thread::Builder::new().name("program".into());
+        let main = program.spawn_scoped(s, move || {
             let _installed = use_backend(backend);
             let mut world = World::new(Arc::clone(backend), to_helper, from_helper);
             for (step, op) in steps.iter().enumerate() {
@@ -350,6 +351,7 @@ fn run(program: &[Op]) {
             }
             world.clean_up();
         });
+        let main = main.expect("spawn");
         // Hand a failure to proptest as it was.
         main.join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));

@@ -59,7 +59,7 @@ const SHAPES: &[&[usize]] = &[
 /// The byte caps a program configures.
 const CAPS: &[Option<usize>] = &[None, Some(0), Some(700), Some(4096)];
 
-/// A cache name of the program (made unique per program when entered).
+/// A cache name of the program (`prop/A`, ...; each program runs on a fresh thread).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Name {
     A,

@@ -12,8 +12,10 @@ missing=()
 command -v valgrind >/dev/null || missing+=(valgrind)
 command -v jq >/dev/null || missing+=(jq)
 if ((${#missing[@]})); then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    sudo=()
+    [[ $(id -u) == 0 ]] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}"
 fi
 
 export PROPTEST_CASES="${PROPTEST_CASES:-16}"

@@ -33,7 +33,6 @@ pub struct Array<T: Element> {
     /// `None` when not allocated through a cache.
     home: Option<Home>,
     shape: Shape,
-    len: usize,
     device: Device,
     _elem: PhantomData<T>,
 }
@@ -92,45 +91,71 @@ impl<T: Element> Array<T> {
         Ok(array)
     }
 
+    /// Allocates through the current scope's cache, or the device outside any scope. The hit
+    /// is the inlined fast path; everything else is in `alloc_slow`.
+    #[inline]
     fn alloc(device: Device, shape: Shape, init: Init) -> Result<Self> {
         let bytes = shape.byte_len(T::DTYPE)?;
-        let len = bytes / mem::size_of::<T>();
-        let mut array = Array {
-            block: None,
-            home: None,
-            shape,
-            len,
-            device,
-            _elem: PhantomData,
-        };
-        if bytes == 0 {
-            backend::check_device(device)?;
-            return Ok(array);
+        let zero = init == Init::Zeroed || (init == Init::Any && !T::ANY_BIT_PATTERN);
+        if bytes != 0 {
+            let req = Request {
+                dtype: T::DTYPE,
+                dims: shape.dims(),
+                device,
+                bytes,
+            };
+            if let Some((block, home)) = scope::with_current(|c| c.and_then(|c| c.hit(&req))) {
+                return Self::recycled(block, home, shape, device, bytes, zero);
+            }
         }
+        Self::alloc_slow(device, shape, bytes, init)
+    }
+
+    /// The allocation when the hit path found nothing.
+    #[inline(never)]
+    fn alloc_slow(device: Device, shape: Shape, bytes: usize, init: Init) -> Result<Self> {
         // A recycled buffer is zeroed when asked (or when its old bytes may not be valid for
         // `T`); a new one is zeroed unless it is about to be overwritten.
         let zero = init == Init::Zeroed || (init == Init::Any && !T::ANY_BIT_PATTERN);
         let zero_new = init != Init::Overwritten;
+        if bytes == 0 {
+            backend::check_device(device)?;
+            return Ok(Self::assemble(None, None, shape, device));
+        }
         let req = Request {
             dtype: T::DTYPE,
-            dims: array.shape.dims(),
+            dims: shape.dims(),
             device,
             bytes,
         };
-        let (block, home, recycled) = scope::with_current(|cache| match cache {
-            None => registry::alloc_block(device, bytes, zero_new).map(|b| (b, None, false)),
-            Some(cache) => match cache.take(&req) {
-                Take::Hit(block, home) => Ok((block, Some(home), true)),
-                Take::Miss { capacity } => {
-                    let block = registry::alloc_block(device, capacity, zero_new)?;
-                    let home = cache.adopt(&req, &block);
-                    Ok((block, Some(home), false))
-                }
-            },
-        })?;
-        array.home = home;
-        let block = array.block.insert(block);
-        if recycled {
+        let got: Result<_> = scope::with_current(|cache| {
+            let (cache, capacity) = match cache.map(|c| (c, c.take(&req))) {
+                Some((_, Take::Hit(block, home))) => return Ok((block, Some(home), true)),
+                Some((c, Take::Miss { capacity })) => (Some(c), capacity),
+                Some((_, Take::Bypass)) | None => (None, bytes),
+            };
+            let block = registry::alloc_block(device, capacity, zero_new)?;
+            let home = cache.and_then(|c| c.adopt(&req, &block));
+            Ok((block, home, false))
+        });
+        match got? {
+            (block, Some(home), true) => Self::recycled(block, home, shape, device, bytes, zero),
+            (block, home, _) => Ok(Self::assemble(Some(block), home, shape, device)),
+        }
+    }
+
+    /// An array around a recycled buffer, made ready for it (zeroed if asked).
+    #[inline]
+    fn recycled(
+        block: Block,
+        home: Home,
+        shape: Shape,
+        device: Device,
+        bytes: usize,
+        zero: bool,
+    ) -> Result<Self> {
+        let mut array = Self::assemble(Some(block), Some(home), shape, device);
+        if let Some(block) = &mut array.block {
             // On failure `array` drops and the buffer goes home.
             block.prepare_reuse()?;
             if zero {
@@ -140,6 +165,17 @@ impl<T: Element> Array<T> {
         Ok(array)
     }
 
+    #[inline]
+    fn assemble(block: Option<Block>, home: Option<Home>, shape: Shape, device: Device) -> Self {
+        Array {
+            block,
+            home,
+            shape,
+            device,
+            _elem: PhantomData,
+        }
+    }
+
     /// The shape.
     pub fn shape(&self) -> &Shape {
         &self.shape
@@ -147,12 +183,13 @@ impl<T: Element> Array<T> {
 
     /// The number of elements.
     pub fn len(&self) -> usize {
-        self.len
+        // The product was checked when the array was made.
+        self.shape.dims().iter().product()
     }
 
     /// Whether the array has no elements.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The element type.
@@ -168,7 +205,7 @@ impl<T: Element> Array<T> {
     /// The size of the elements in bytes (`len() * size_of::<T>()`; the buffer may be larger
     /// under [`KeyPolicy::SizeClass`](crate::KeyPolicy::SizeClass)).
     pub fn num_bytes(&self) -> usize {
-        self.len * mem::size_of::<T>()
+        self.len() * mem::size_of::<T>()
     }
 
     /// The elements, for an array in host memory.
@@ -185,7 +222,7 @@ impl<T: Element> Array<T> {
         // written with whole `Element` values; types that not every bit pattern is valid for
         // are zeroed or overwritten on every hand-out) and is owned by this array, so the
         // borrow of `self` keeps it alive and unaliased by writers.
-        Ok(unsafe { slice::from_raw_parts(host.ptr().as_ptr().cast::<T>(), self.len) })
+        Ok(unsafe { slice::from_raw_parts(host.ptr().as_ptr().cast::<T>(), self.len()) })
     }
 
     /// The elements, mutable, for an array in host memory.
@@ -194,7 +231,7 @@ impl<T: Element> Array<T> {
     /// [`Error::NotHostAccessible`] for an array in device memory.
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
         let not_host = self.not_host();
-        let len = self.len;
+        let len = self.len();
         let Some(block) = &mut self.block else {
             return Ok(&mut []);
         };
@@ -248,7 +285,7 @@ impl<T: Element> Drop for Array<T> {
         if let Some(mut block) = self.block.take() {
             block.end_use();
             match self.home.take() {
-                Some(home) => cache::release(home, block),
+                Some(home) => cache::release(home, block, scope::current_ptr()),
                 None => drop(block),
             }
         }
@@ -296,4 +333,21 @@ fn from_bytes<T: Element>(mut bytes: Vec<u8>) -> Vec<T> {
         out.set_len(len);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Arrays are moved on every allocation (`Result<Array<T>>`): keep them within two cache
+    /// lines so the moves stay a few vector stores.
+    #[test]
+    fn arrays_stay_small() {
+        assert!(
+            mem::size_of::<Array<f32>>() <= 128,
+            "{}",
+            mem::size_of::<Array<f32>>()
+        );
+        assert_eq!(mem::size_of::<Option<Home>>(), 16);
+    }
 }

@@ -28,18 +28,17 @@
 
 use std::cell::{Cell, UnsafeCell};
 use std::collections::VecDeque;
-use std::hash::{Hash, Hasher};
 use std::mem;
-use std::ptr::NonNull;
+use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*, fence};
 
-use hashbrown::{Equivalent, HashMap};
+use hashbrown::HashTable;
 use parking_lot::lock_api::RawMutex as _;
 use parking_lot::{Mutex, RawMutex};
 
 use crate::backend::Block;
-use crate::config::{CacheConfig, Reuse};
+use crate::config::{CacheConfig, KeyPolicy, Reuse};
 use crate::stats::{CacheStats, Counters, add, sub};
 use crate::{DType, Device, Shape};
 
@@ -76,7 +75,7 @@ pub(crate) struct Request<'a> {
 }
 
 /// The key of a free list.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 enum Key {
     Exact {
         dtype: DType,
@@ -90,7 +89,7 @@ enum Key {
 }
 
 /// A borrowed [`Key`], to look a request up without building a `Shape`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy)]
 enum KeyRef<'a> {
     Exact {
         dtype: DType,
@@ -103,7 +102,23 @@ enum KeyRef<'a> {
     },
 }
 
+/// An entry of the key table: a key, its hash (kept for rehashing) and its free list.
+struct Entry {
+    hash: u64,
+    key: Key,
+    slot: u32,
+}
+
+/// Mixes `x` into the running hash `h` (a multiply-fold step, as in foldhash and wyhash).
+#[inline]
+fn mix(h: u64, x: u64) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let m = u128::from(h ^ x) * u128::from(K);
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
 impl Key {
+    #[inline]
     fn as_ref(&self) -> KeyRef<'_> {
         match self {
             Key::Exact {
@@ -123,20 +138,65 @@ impl Key {
     }
 }
 
-// A key hashes as its borrowed form, so `KeyRef` lookups find `Key` entries.
-impl Hash for Key {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.as_ref().hash(state);
-    }
-}
-
-impl Equivalent<Key> for KeyRef<'_> {
-    fn equivalent(&self, key: &Key) -> bool {
-        *self == key.as_ref()
-    }
-}
-
 impl KeyRef<'_> {
+    /// The key's hash. Written out rather than derived (this is on every allocation): one
+    /// multiply-fold per word, the device, element type, rank and kind packed in the first.
+    #[inline]
+    fn hash(self) -> u64 {
+        let (device, first, rest): (Device, u64, &[usize]) = match self {
+            KeyRef::Exact {
+                dtype,
+                device,
+                dims,
+            } => (device, (dtype as u64) << 32 | dims.len() as u64, dims),
+            KeyRef::Class { bytes, device } => (device, 1 << 40 | bytes as u64, &[]),
+        };
+        let device = match device {
+            Device::Cpu => 0,
+            Device::Cuda(n) => n as u64 + 1,
+        };
+        let mut h = mix(device, first);
+        for &d in rest {
+            h = mix(h, d as u64);
+        }
+        h
+    }
+
+    /// Whether `key` is this key.
+    #[inline]
+    fn matches(self, key: &Key) -> bool {
+        match (self, key.as_ref()) {
+            (
+                KeyRef::Exact {
+                    dtype: t1,
+                    device: d1,
+                    dims: s1,
+                },
+                KeyRef::Exact {
+                    dtype: t2,
+                    device: d2,
+                    dims: s2,
+                },
+            ) => {
+                t1 == t2
+                    && d1 == d2
+                    && s1.len() == s2.len()
+                    && s1.iter().zip(s2).all(|(a, b)| a == b)
+            }
+            (
+                KeyRef::Class {
+                    bytes: b1,
+                    device: d1,
+                },
+                KeyRef::Class {
+                    bytes: b2,
+                    device: d2,
+                },
+            ) => b1 == b2 && d1 == d2,
+            _ => false,
+        }
+    }
+
     fn to_owned(self) -> Key {
         match self {
             KeyRef::Exact {
@@ -158,11 +218,15 @@ impl KeyRef<'_> {
 ///
 /// Invariant: while a `Home` exists, the block it came with is counted in its cell's `live`
 /// (or, once the cell is closed, in `orphans`), so the cell is alive.
+///
+/// Free lists are never removed or renumbered (invalidation empties them), so `slot` always
+/// names the free list of this block's key, and a generation that wrapped around could at worst
+/// cache a buffer that should have been freed.
 #[derive(Debug)]
 pub(crate) struct Home {
     cell: NonNull<CacheCell>,
-    slot: usize,
-    generation: u64,
+    slot: u32,
+    generation: u32,
 }
 
 // SAFETY: a `Home` only gives its holder the right to return one block to a `CacheCell`, which is
@@ -172,12 +236,14 @@ unsafe impl Send for Home {}
 // SAFETY: `&Home` allows nothing (all use goes through `release`, which takes the `Home` by value).
 unsafe impl Sync for Home {}
 
-/// The result of looking for a free buffer.
+/// The result of looking for a free buffer on the slow path.
 pub(crate) enum Take {
     /// A recycled buffer, now busy.
     Hit(Block, Home),
     /// None free: allocate a buffer of this capacity and [`CacheCell::adopt`] it.
     Miss { capacity: usize },
+    /// The cache cannot take more keys (2^32 of them): allocate without it.
+    Bypass,
 }
 
 /// A free buffer and when it was freed (a stamp of the cache's clock).
@@ -189,14 +255,15 @@ struct Free {
 /// The free list of one key.
 struct Slot {
     device: Device,
-    free: VecDeque<Free>,
+    /// Oldest first; hits take the newest.
+    free: Vec<Free>,
 }
 
 /// A buffer returned by another thread, waiting for the owner.
 struct Returned {
     block: Block,
-    slot: usize,
-    generation: u64,
+    slot: u32,
+    generation: u32,
 }
 
 /// The part of a cache that other threads write.
@@ -226,20 +293,23 @@ struct RemoteSide {
 /// The state of a cache, behind the cell's lock.
 struct Inner {
     config: CacheConfig,
-    generation: u64,
-    keys: HashMap<Key, usize>,
+    generation: u32,
+    keys: HashTable<Entry>,
     slots: Vec<Slot>,
     /// Buffers dropped inside an active scope under `Reuse::OnExit`: free when it exits.
-    pending: Vec<(usize, Block)>,
+    pending: Vec<(u32, Block)>,
     /// Buffers whose memory a device may still be using on another stream (see
     /// `Block::is_idle`): free once that work completes, polled when the cache misses and when a
     /// scope exits.
-    deferred: Vec<(usize, Block)>,
+    deferred: Vec<(u32, Block)>,
     /// Free buffers, least recently freed first, as (stamp, slot); kept only with a byte cap.
     /// Entries whose buffer has left the free list are skipped when met.
-    lru: VecDeque<(u64, usize)>,
+    lru: VecDeque<(u64, u32)>,
+    /// Stamps buffers as they are freed, while there is a byte cap (0 otherwise: a cap set
+    /// later treats everything already free as equally old).
     clock: u64,
-    free_blocks: usize,
+    /// Rebuild `lru` when it grows past this (it holds stale entries for buffers since taken).
+    lru_limit: usize,
     /// Blocks handed to arrays and not yet back.
     live: usize,
 }
@@ -294,13 +364,13 @@ impl CacheCell {
             inner: UnsafeCell::new(Inner {
                 config: CacheConfig::default(),
                 generation: 0,
-                keys: HashMap::default(),
+                keys: HashTable::new(),
                 slots: Vec::new(),
                 pending: Vec::new(),
                 deferred: Vec::new(),
                 lru: VecDeque::new(),
                 clock: 0,
-                free_blocks: 0,
+                lru_limit: 0,
                 live: 0,
             }),
             stats: Counters::default(),
@@ -329,10 +399,12 @@ impl CacheCell {
     }
 
     /// Whether the owner thread has exited (or is exiting) and closed the cache.
+    #[inline]
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Relaxed)
     }
 
+    #[inline]
     fn is_active(&self) -> bool {
         self.depth.load(Relaxed) > 0
     }
@@ -366,7 +438,7 @@ impl CacheCell {
     }
 
     fn try_hold(&self) -> Option<Held<'_>> {
-        self.lock.try_lock().then_some(Held(self))
+        self.lock.try_lock().then(|| Held(self))
     }
 
     /// Runs `f` on the cache state. Owner thread only; `f` must not call back into any cache.
@@ -407,7 +479,9 @@ impl CacheCell {
             // SAFETY: depth is 1, so this thread holds the lock, and no other borrow of `inner`
             // is alive: scope exits do not nest inside cache operations.
             let inner = unsafe { &mut *self.inner.get() };
-            self.drain_returned(inner, false);
+            if self.remote.returned.load(Acquire) {
+                self.drain_returned(inner, false);
+            }
             inner.settle(&self.stats);
         }
         self.depth.store(0, Relaxed);
@@ -415,44 +489,53 @@ impl CacheCell {
         unsafe { self.unlock() };
     }
 
-    /// Takes a free buffer for `req`, or reports a miss. Call only on this thread's current
-    /// (hence active) cache.
+    /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only
+    /// on this thread's current (hence active) cache.
     #[inline]
-    pub(crate) fn take(&self, req: &Request<'_>) -> Take {
+    pub(crate) fn hit(&self, req: &Request<'_>) -> Option<(Block, Home)> {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: the cell is active on its owner thread, which therefore holds the lock, and no
         // other borrow of `inner` is alive (cache operations do not nest).
         let inner = unsafe { &mut *self.inner.get() };
-        let slot = inner.slot_of(req);
-        if let Some(block) = inner.pop(&self.stats, slot) {
-            return Take::Hit(block, self.home(slot, inner.generation));
-        }
+        let slot = inner.find(inner.key(req))?;
+        let block = inner.pop(&self.stats, slot)?;
+        Some((block, self.home(slot, inner.generation)))
+    }
+
+    /// After [`CacheCell::hit`] found nothing: takes in the buffers other threads returned and
+    /// those whose device work has completed, and looks again. Same conditions as `hit`.
+    pub(crate) fn take(&self, req: &Request<'_>) -> Take {
+        debug_assert!(self.is_owned_here() && self.is_active());
+        // SAFETY: as in `hit`.
+        let inner = unsafe { &mut *self.inner.get() };
         if self.remote.returned.load(Acquire) {
             self.drain_returned(inner, true);
         }
         inner.poll_deferred(&self.stats);
-        if let Some(block) = inner.pop(&self.stats, slot) {
-            return Take::Hit(block, self.home(slot, inner.generation));
-        }
-        Take::Miss {
-            capacity: inner.config.key.capacity(req.bytes),
+        match inner.slot_of(req) {
+            None => Take::Bypass,
+            Some(slot) => match inner.pop(&self.stats, slot) {
+                Some(block) => Take::Hit(block, self.home(slot, inner.generation)),
+                None => Take::Miss {
+                    capacity: inner.config.key.capacity(req.bytes),
+                },
+            },
         }
     }
 
     /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`].
-    pub(crate) fn adopt(&self, req: &Request<'_>, block: &Block) -> Home {
+    pub(crate) fn adopt(&self, req: &Request<'_>, block: &Block) -> Option<Home> {
         self.owned(|inner, st| {
-            let slot = inner.slot_of(req);
+            let slot = inner.slot_of(req)?;
             inner.live += 1;
             add(&st.misses, 1);
-            add(&st.device_allocs, 1);
-            add(&st.bytes_in_use, block.bytes());
-            st.note_peak();
-            self.home(slot, inner.generation)
+            st.allocated(block.bytes());
+            Some(self.home(slot, inner.generation))
         })
     }
 
-    fn home(&self, slot: usize, generation: u64) -> Home {
+    #[inline]
+    fn home(&self, slot: u32, generation: u32) -> Home {
         Home {
             cell: NonNull::from(self),
             slot,
@@ -541,12 +624,21 @@ impl CacheCell {
     }
 }
 
-/// Returns a block to its home cache, from any thread.
-pub(crate) fn release(home: Home, block: Block) {
+/// Returns a block to its home cache, from any thread. `current` is the calling thread's
+/// innermost entered cache (null if none): when it is the block's home, the block goes straight
+/// back, with no check of the thread and no lock.
+#[inline]
+pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
     // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
     // have been freed (the remote path drops its last use before releasing the keep-alive).
     let cell = unsafe { home.cell.as_ref() };
-    if cell.is_owned_here() && !cell.closed.load(Relaxed) {
+    if ptr::eq(current, cell) && !cell.is_closed() {
+        // SAFETY: the thread's current cache is owned by this thread and active (it is on the
+        // thread's scope stack), so this thread holds its lock; no other borrow of `inner` is
+        // alive, since cache operations do not nest.
+        let inner = unsafe { &mut *cell.inner.get() };
+        inner.release(&cell.stats, true, home.slot, home.generation, block);
+    } else if cell.is_owned_here() && !cell.is_closed() {
         let active = cell.is_active();
         cell.owned(|inner, st| inner.release(st, active, home.slot, home.generation, block));
     } else {
@@ -585,57 +677,72 @@ fn release_remote(home: Home, block: Block) {
 }
 
 impl Inner {
-    /// The free list for `req`, created if new.
+    /// The key of `req` under this cache's policy.
     #[inline]
-    fn slot_of(&mut self, req: &Request<'_>) -> usize {
-        let key = match self.config.key {
-            crate::KeyPolicy::Exact => KeyRef::Exact {
+    fn key<'a>(&self, req: &Request<'a>) -> KeyRef<'a> {
+        match self.config.key {
+            KeyPolicy::Exact => KeyRef::Exact {
                 dtype: req.dtype,
                 device: req.device,
                 dims: req.dims,
             },
-            crate::KeyPolicy::SizeClass => KeyRef::Class {
+            KeyPolicy::SizeClass => KeyRef::Class {
                 bytes: self.config.key.capacity(req.bytes),
                 device: req.device,
             },
-        };
-        if let Some(&slot) = self.keys.get(&key) {
-            return slot;
         }
-        let slot = self.slots.len();
+    }
+
+    /// The free list of `key`, if it has one.
+    #[inline]
+    fn find(&self, key: KeyRef<'_>) -> Option<u32> {
+        let hash = key.hash();
+        self.keys
+            .find(hash, |e| e.hash == hash && key.matches(&e.key))
+            .map(|e| e.slot)
+    }
+
+    /// The free list for `req`, created if new (`None` once there are 2^32 of them).
+    fn slot_of(&mut self, req: &Request<'_>) -> Option<u32> {
+        let key = self.key(req);
+        if let Some(slot) = self.find(key) {
+            return Some(slot);
+        }
+        let slot = u32::try_from(self.slots.len()).ok()?;
         self.slots.push(Slot {
             device: req.device,
-            free: VecDeque::new(),
+            free: Vec::new(),
         });
-        self.keys.insert(key.to_owned(), slot);
-        slot
+        let entry = Entry {
+            hash: key.hash(),
+            key: key.to_owned(),
+            slot,
+        };
+        self.keys.insert_unique(entry.hash, entry, |e| e.hash);
+        Some(slot)
     }
 
     /// Pops the most recently freed buffer of `slot` (a hit).
     #[inline]
-    fn pop(&mut self, st: &Counters, slot: usize) -> Option<Block> {
-        let Free { block, .. } = self.slots[slot].free.pop_back()?;
-        self.free_blocks -= 1;
+    fn pop(&mut self, st: &Counters, slot: u32) -> Option<Block> {
+        let Free { block, .. } = self.slots[slot as usize].free.pop()?;
         self.live += 1;
         add(&st.hits, 1);
         sub(&st.bytes_cached, block.bytes());
-        add(&st.bytes_in_use, block.bytes());
         Some(block)
     }
 
     /// Takes back the block of a dropped array.
-    #[inline]
-    fn release(&mut self, st: &Counters, active: bool, slot: usize, generation: u64, block: Block) {
+    #[inline(always)]
+    fn release(&mut self, st: &Counters, active: bool, slot: u32, generation: u32, block: Block) {
         self.live -= 1;
         if generation != self.generation {
-            sub(&st.bytes_in_use, block.bytes());
             self.free(st, block);
         } else if active && self.config.reuse == Reuse::OnExit {
             self.pending.push((slot, block));
         } else if !block.is_idle() {
             self.deferred.push((slot, block));
         } else {
-            sub(&st.bytes_in_use, block.bytes());
             self.push_free(st, slot, block);
         }
     }
@@ -650,29 +757,40 @@ impl Inner {
             .partition(|(_, b)| b.is_idle());
         self.deferred = busy;
         for (slot, block) in idle {
-            sub(&st.bytes_in_use, block.bytes());
             self.push_free(st, slot, block);
         }
     }
 
-    fn push_free(&mut self, st: &Counters, slot: usize, block: Block) {
-        let stamp = self.clock;
-        self.clock += 1;
+    #[inline(always)]
+    fn push_free(&mut self, st: &Counters, slot: u32, block: Block) {
         add(&st.bytes_cached, block.bytes());
-        self.slots[slot].free.push_back(Free { block, stamp });
-        self.free_blocks += 1;
-        if self.config.max_cached_bytes.is_some() {
-            self.lru.push_back((stamp, slot));
-            if self.lru.len() > 2 * self.free_blocks + 64 {
-                self.rebuild_lru();
-            }
-            self.evict(st);
+        if self.config.max_cached_bytes.is_none() {
+            // Stamped without a cap too, so that a cap set later evicts in LRU order.
+            self.clock += 1;
+            let stamp = self.clock;
+            self.slots[slot as usize].free.push(Free { block, stamp });
+        } else {
+            self.push_free_capped(st, slot, block);
         }
+    }
+
+    /// `push_free` under a byte cap: stamps the buffer, records it in the LRU order and evicts
+    /// down to the cap.
+    #[cold]
+    fn push_free_capped(&mut self, st: &Counters, slot: u32, block: Block) {
+        self.clock += 1;
+        let stamp = self.clock;
+        self.slots[slot as usize].free.push(Free { block, stamp });
+        self.lru.push_back((stamp, slot));
+        if self.lru.len() > self.lru_limit {
+            self.rebuild_lru();
+        }
+        self.evict(st);
     }
 
     /// Gives a block back to the device.
     fn free(&mut self, st: &Counters, block: Block) {
-        add(&st.device_frees, 1);
+        st.freed(block.bytes());
         drop(block);
     }
 
@@ -682,7 +800,6 @@ impl Inner {
         let mut pending = mem::take(&mut self.pending);
         for (slot, block) in pending.drain(..) {
             if block.is_idle() {
-                sub(&st.bytes_in_use, block.bytes());
                 self.push_free(st, slot, block);
             } else {
                 self.deferred.push((slot, block));
@@ -699,7 +816,6 @@ impl Inner {
         let pending = mem::take(&mut self.pending);
         let deferred = mem::take(&mut self.deferred);
         for (_, block) in pending.into_iter().chain(deferred) {
-            sub(&st.bytes_in_use, block.bytes());
             self.free(st, block);
         }
     }
@@ -709,23 +825,22 @@ impl Inner {
         let mut freed = Vec::new();
         for slot in &mut self.slots {
             if device.is_none_or(|d| d == slot.device) {
-                freed.extend(slot.free.drain(..));
+                freed.append(&mut slot.free);
             }
         }
-        self.free_blocks -= freed.len();
         for Free { block, .. } in freed {
             sub(&st.bytes_cached, block.bytes());
             self.free(st, block);
         }
     }
 
+    /// Frees every buffer the cache has back (free, pending, deferred) and starts a new
+    /// generation. The keys and their (now empty) free lists stay, so `Home::slot` stays valid.
     fn invalidate(&mut self, st: &Counters) {
         self.flush(st, None);
         self.free_pending(st);
-        self.keys.clear();
-        self.slots.clear();
         self.lru.clear();
-        self.generation += 1;
+        self.generation = self.generation.wrapping_add(1);
         add(&st.invalidations, 1);
     }
 
@@ -740,11 +855,9 @@ impl Inner {
             };
             // Stamps grow, and every older entry has been handled, so the buffer is still free
             // exactly when it is the oldest of its list.
-            let list = &mut self.slots[slot].free;
-            if list.front().is_some_and(|f| f.stamp == stamp)
-                && let Some(Free { block, .. }) = list.pop_front()
-            {
-                self.free_blocks -= 1;
+            let list = &mut self.slots[slot as usize].free;
+            if list.first().is_some_and(|f| f.stamp == stamp) {
+                let Free { block, .. } = list.remove(0);
                 sub(&st.bytes_cached, block.bytes());
                 add(&st.evictions, 1);
                 self.free(st, block);
@@ -758,13 +871,15 @@ impl Inner {
         if self.config.max_cached_bytes.is_none() {
             return;
         }
-        let mut all: Vec<(u64, usize)> = self
+        let mut all: Vec<(u64, u32)> = self
             .slots
             .iter()
-            .enumerate()
-            .flat_map(|(i, s)| s.free.iter().map(move |f| (f.stamp, i)))
+            .zip(0u32..)
+            .flat_map(|(s, i)| s.free.iter().map(move |f| (f.stamp, i)))
             .collect();
-        all.sort_unstable();
+        // Stable, so that equal stamps keep list order (oldest first).
+        all.sort_by_key(|&(stamp, _)| stamp);
+        self.lru_limit = 2 * all.len() + 64;
         self.lru.extend(all);
     }
 }

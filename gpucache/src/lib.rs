@@ -10,10 +10,11 @@
 //! epochs, say).
 //!
 //! ```
+//! use gpucache::cache_scope;
 //! use gpucache::prelude::*;
 //!
+//! #[cache_scope(train_step)]
 //! fn train_step(dev: Device, x: &Array<f32>) -> gpucache::Result<f32> {
-//!     let _scope = gpucache::enter("train_step");
 //!     let mut h = Array::<f32>::zeros(dev, [x.shape().dims()[0], 16])?; // recycled on re-entry
 //!     for (hi, xi) in h.as_mut_slice()?.iter_mut().zip(x.as_slice()?.iter().cycle()) {
 //!         *hi = xi.max(0.0);
@@ -30,6 +31,12 @@
 //!     let s = gpucache::stats("train_step");
 //!     assert_eq!(s.misses, 1); // one buffer, allocated once, recycled 9 times
 //!     println!("{s}");
+//!     // A block in a scope of its own; `?` in it leaves the enclosing function, as in any block.
+//!     let loss = cache_scope!(eval, {
+//!         let h = Array::<f32>::zeros(dev, [4, 16])?;
+//!         h.as_slice()?.iter().sum::<f32>()
+//!     });
+//!     assert_eq!(loss, 0.0);
 //!     gpucache::invalidate("train_step"); // give the memory back between epochs
 //!     assert_eq!(gpucache::stats("train_step").bytes_cached, 0);
 //!     gpucache::configure("train_step", Default::default()); // (counters are kept)
@@ -37,6 +44,41 @@
 //! }
 //! # Ok::<(), gpucache::Error>(())
 //! ```
+//!
+//! ## The macros
+//!
+//! A scope is entered in one of three ways, all the same underneath:
+//!
+//! * [`#[cache_scope(name)]`](prelude::cache_scope) on a function or method runs its body in the
+//!   scope. On an `async fn` the scope is entered around every poll of its future, not held
+//!   while it is suspended, so the future stays `Send` and may finish on another thread.
+//! * [`cache_scope!(name, { ... })`](cache_scope!) runs a block (or `cache_scope!(name, expr)`
+//!   an expression) in the scope and evaluates to its value; `return`, `?`, `break` and
+//!   `continue` inside act as in a plain block.
+//! * [`enter`]`("name")` returns a guard; the scope exits when it drops.
+//!
+//! A name is an identifier or a string literal: `#[cache_scope(train_step)]` and
+//! `#[cache_scope("train_step")]` name the same cache. The attribute lives in [`prelude`] and
+//! the block macro at the crate root, because an attribute and a function-like macro cannot
+//! share one path; import both with
+//!
+//! ```
+//! use gpucache::cache_scope; // the block macro `cache_scope!`
+//! use gpucache::prelude::*; // ... and the attribute `#[cache_scope]`, with the common types
+//!
+//! #[cache_scope(step)]
+//! fn step() -> Option<String> {
+//!     cache_scope!(inner, assert_eq!(gpucache::current_scope().as_deref(), Some("inner")));
+//!     gpucache::current_scope()
+//! }
+//! assert_eq!(step().as_deref(), Some("step"));
+//! ```
+//!
+//! or write them out: `#[gpucache::prelude::cache_scope(step)]` and
+//! `gpucache::cache_scope!(step, { ... })`. (A module that glob-imports its parent with
+//! `use super::*;` gets only the block macro from a parent that imports both this way, since
+//! the explicit `use gpucache::cache_scope;` shadows the prelude's attribute there: import the
+//! prelude in that module too.)
 //!
 //! ## Semantics
 //!
@@ -109,6 +151,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+mod instrument;
 mod registry;
 mod scope;
 mod shape;
@@ -121,10 +164,14 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use registry::{configure, empty_cache, invalidate, stats, summary};
+pub use registry::{configure, device_stats, empty_cache, invalidate, stats, summary};
 pub use scope::{ScopeGuard, current_scope, enter};
 pub use shape::Shape;
-pub use stats::CacheStats;
+pub use stats::{CacheStats, DeviceStats};
+
+/// The block macro `cache_scope!(name, { ... })`: runs a block inside the scope `name`. (The
+/// attribute is [`#[cache_scope]`](crate::prelude::cache_scope) in the prelude.)
+pub use gpucache_macros::cache_scope_block as cache_scope;
 
 /// The names most programs need: `use gpucache::prelude::*;`.
 pub mod prelude {
@@ -132,10 +179,14 @@ pub mod prelude {
         Array, CacheConfig, DType, Device, Element, Error, KeyPolicy, Result, Reuse, Shape,
         invalidate, stats,
     };
+    /// The attribute `#[cache_scope(name)]`: runs a function inside the scope `name`. (The block
+    /// macro is [`cache_scope!`](crate::cache_scope!) at the crate root.)
+    pub use gpucache_macros::cache_scope;
 }
 
 /// What the macros expand to. Not part of the public API.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::instrument::{Instrumented, instrument};
     pub use crate::scope::{ScopeGuard, enter};
 }

@@ -17,7 +17,7 @@ use thread_local::ThreadLocal;
 use crate::backend::{self, AllocError, Block};
 use crate::cache::CacheCell;
 use crate::stats::{self, CacheStats, Row};
-use crate::{CacheConfig, Device, Error, Result};
+use crate::{CacheConfig, Device, DeviceStats, Error, Result};
 
 /// A thread's caches, as other threads see them.
 #[derive(Default)]
@@ -169,6 +169,24 @@ pub fn summary() -> String {
     stats::table(&rows)
 }
 
+/// What gpucache has allocated and freed on `device`, cached or not, as counted by the backend
+/// serving it on this thread.
+///
+/// ```
+/// use gpucache::{Array, Device};
+/// let before = gpucache::device_stats(Device::Cpu)?;
+/// drop(Array::<u8>::zeros(Device::Cpu, 100)?);
+/// let after = gpucache::device_stats(Device::Cpu)?;
+/// assert!(after.allocs > before.allocs && after.frees > before.frees);
+/// # Ok::<(), gpucache::Error>(())
+/// ```
+///
+/// # Errors
+/// As [`Device::cuda`](crate::Device::cuda) for a device this build or machine cannot use.
+pub fn device_stats(device: Device) -> Result<DeviceStats> {
+    Ok(backend::resolve(device)?.stats(device))
+}
+
 /// Frees the free lists of this thread's caches, then every other thread's, for `device` (or
 /// all devices). Returns the bytes still cached in caches that were busy in a scope on another
 /// thread and could not be released now.
@@ -206,7 +224,7 @@ pub(crate) fn alloc_block(device: Device, bytes: usize, zeroed: bool) -> Result<
             device,
             requested: bytes,
             cached,
-            in_use: backend.allocated_bytes(device).saturating_sub(cached),
+            in_use: backend.stats(device).bytes_allocated.saturating_sub(cached),
         }),
     }
 }

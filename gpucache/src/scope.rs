@@ -13,8 +13,11 @@ thread_local! {
     /// The innermost entered cache, or null. Read on every allocation, so it is a plain `Cell`
     /// with a const initialiser and no destructor.
     static CURRENT: Cell<*const CacheCell> = const { Cell::new(ptr::null()) };
-    /// Every entered cache, innermost last. Each entry is kept alive by its `ScopeGuard`.
-    static STACK: RefCell<Vec<*const CacheCell>> = const { RefCell::new(Vec::new()) };
+    /// Every entered cache with its guard's entry number, innermost last. Each entry is kept
+    /// alive by its `ScopeGuard`.
+    static STACK: RefCell<Vec<(*const CacheCell, u64)>> = const { RefCell::new(Vec::new()) };
+    /// The entry number of the next `enter` (tells apart entries of one recursive cache).
+    static ENTRIES: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Enters the calling thread's cache `name` until the returned guard drops.
@@ -43,16 +46,19 @@ pub fn enter(name: &str) -> ScopeGuard {
         // The thread is being torn down: allocate without a cache.
         return ScopeGuard {
             cell: None,
+            entry: 0,
             _not_send: PhantomData,
         };
     };
     cell.enter();
     let top = Arc::as_ptr(&cell);
+    let entry = ENTRIES.replace(ENTRIES.get() + 1);
     // While the stack is gone (thread teardown), the scope still holds `CURRENT`.
-    let _ = STACK.try_with(|s| s.borrow_mut().push(top));
+    let _ = STACK.try_with(|s| s.borrow_mut().push((top, entry)));
     CURRENT.set(top);
     ScopeGuard {
         cell: Some(cell),
+        entry,
         _not_send: PhantomData,
     }
 }
@@ -62,6 +68,8 @@ pub fn enter(name: &str) -> ScopeGuard {
 #[must_use = "the scope exits when the guard is dropped; bind it with `let _scope = ...`"]
 pub struct ScopeGuard {
     cell: Option<Arc<CacheCell>>,
+    /// This guard's entry in `STACK`.
+    entry: u64,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -86,15 +94,15 @@ impl Drop for ScopeGuard {
         let Some(cell) = self.cell.take() else {
             return;
         };
-        let this = Arc::as_ptr(&cell);
-        // Guards normally drop innermost first; one dropped out of order removes its own entry.
+        // Guards normally drop innermost first; one dropped out of order removes its own entry
+        // (not another entry of the same cache, when it was entered recursively).
         let top = STACK
             .try_with(|s| {
                 let mut s = s.borrow_mut();
-                if let Some(i) = s.iter().rposition(|&p| p == this) {
+                if let Some(i) = s.iter().rposition(|&(_, e)| e == self.entry) {
                     s.remove(i);
                 }
-                s.last().copied().unwrap_or(ptr::null())
+                s.last().map_or(ptr::null(), |&(p, _)| p)
             })
             .unwrap_or(ptr::null());
         CURRENT.set(top);
@@ -126,6 +134,7 @@ static DISABLED: LazyLock<bool> =
 /// Runs `f` with the cache that allocations on this thread go through: the innermost entered
 /// one (`None` outside any scope, once the cache is closed by thread teardown, and always when
 /// `GPUCACHE_DISABLE=1`).
+#[inline]
 pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     if *DISABLED {
         return f(None);
@@ -133,8 +142,15 @@ pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     with_innermost(f)
 }
 
+/// The innermost entered cache of this thread, or null (for comparison only).
+#[inline]
+pub(crate) fn current_ptr() -> *const CacheCell {
+    CURRENT.get()
+}
+
 /// Runs `f` with the innermost entered cache of this thread (`None` outside any scope, or once
 /// the cache is closed by thread teardown).
+#[inline]
 fn with_innermost<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     let ptr = CURRENT.get();
     // SAFETY: a non-null `CURRENT` is the innermost entry of `STACK` (or the last entered cache

@@ -23,8 +23,11 @@ use crate::{DType, Error, Result};
 /// ```
 #[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Shape {
-    dims: SmallVec<[usize; 4]>,
+    dims: SmallVec<[usize; INLINE]>,
 }
+
+/// Dimensions stored without a heap allocation.
+const INLINE: usize = 4;
 
 impl Shape {
     /// The shape of a scalar: rank 0, one element.
@@ -33,6 +36,7 @@ impl Shape {
     }
 
     /// The dimensions, outermost first.
+    #[inline]
     pub fn dims(&self) -> &[usize] {
         &self.dims
     }
@@ -52,6 +56,7 @@ impl Shape {
 
     /// The size in bytes of an array of this shape and `dtype`, checked against `isize::MAX`
     /// (the most one allocation may hold).
+    #[inline]
     pub(crate) fn byte_len(&self, dtype: DType) -> Result<usize> {
         self.checked_numel()
             .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
@@ -59,6 +64,7 @@ impl Shape {
             .ok_or_else(|| self.overflow(dtype))
     }
 
+    #[inline]
     fn checked_numel(&self) -> Option<usize> {
         self.dims
             .iter()
@@ -74,9 +80,19 @@ impl Shape {
 }
 
 impl<const N: usize> From<[usize; N]> for Shape {
+    #[inline]
     fn from(dims: [usize; N]) -> Shape {
-        Shape {
-            dims: SmallVec::from_slice(&dims),
+        if N <= INLINE {
+            // Fill the inline buffer directly: no length checks, no copy loop.
+            let mut buf = [0; INLINE];
+            buf[..N].copy_from_slice(&dims);
+            Shape {
+                dims: SmallVec::from_buf_and_len(buf, N),
+            }
+        } else {
+            Shape {
+                dims: SmallVec::from_slice(&dims),
+            }
         }
     }
 }

@@ -63,6 +63,31 @@ impl fmt::Display for CacheStats {
     }
 }
 
+/// What gpucache has done on one device, counted by the backend that serves it (see
+/// [`device_stats`](crate::device_stats)): every allocation and free gpucache made there, cached
+/// or not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DeviceStats {
+    /// Buffers allocated from the device.
+    pub allocs: u64,
+    /// Buffers given back to the device.
+    pub frees: u64,
+    /// Bytes allocated and not yet given back.
+    pub bytes_allocated: usize,
+}
+
+impl fmt::Display for DeviceStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "device allocs {} frees {}, {} allocated",
+            self.allocs,
+            self.frees,
+            Bytes(self.bytes_allocated)
+        )
+    }
+}
+
 /// A byte count printed in binary units (`1.5 MiB`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Bytes(pub usize);
@@ -87,13 +112,17 @@ impl fmt::Display for Bytes {
 
 /// The live counters of a cache. Only the thread holding the cache's lock writes them (plain
 /// load and store, no read-modify-write on the hot path); any thread may read a snapshot.
+///
+/// Bytes in use are derived (`bytes_held - bytes_cached`), so a hit and a drop each update one
+/// byte counter.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) hits: AtomicU64,
     pub(crate) misses: AtomicU64,
     pub(crate) device_allocs: AtomicU64,
     pub(crate) device_frees: AtomicU64,
-    pub(crate) bytes_in_use: AtomicU64,
+    /// Bytes of every buffer this cache holds from the device, busy or free.
+    pub(crate) bytes_held: AtomicU64,
     pub(crate) bytes_cached: AtomicU64,
     pub(crate) peak_bytes: AtomicU64,
     pub(crate) invalidations: AtomicU64,
@@ -113,24 +142,34 @@ pub(crate) fn sub(c: &AtomicU64, n: usize) {
 }
 
 impl Counters {
-    /// Raises the peak to the bytes now held, if higher.
+    /// Accounts a buffer newly allocated from the device, raising the peak if needed.
     #[inline]
-    pub(crate) fn note_peak(&self) {
-        let held = self.bytes_in_use.load(Relaxed) + self.bytes_cached.load(Relaxed);
+    pub(crate) fn allocated(&self, bytes: usize) {
+        add(&self.device_allocs, 1);
+        add(&self.bytes_held, bytes);
+        let held = self.bytes_held.load(Relaxed);
         if held > self.peak_bytes.load(Relaxed) {
             self.peak_bytes.store(held, Relaxed);
         }
     }
 
+    /// Accounts a buffer given back to the device.
+    #[inline]
+    pub(crate) fn freed(&self, bytes: usize) {
+        add(&self.device_frees, 1);
+        sub(&self.bytes_held, bytes);
+    }
+
     /// A snapshot (fields read one by one: exact when read by the lock holder).
     pub(crate) fn snapshot(&self) -> CacheStats {
+        let cached = self.bytes_cached.load(Relaxed);
         CacheStats {
             hits: self.hits.load(Relaxed),
             misses: self.misses.load(Relaxed),
             device_allocs: self.device_allocs.load(Relaxed),
             device_frees: self.device_frees.load(Relaxed),
-            bytes_in_use: self.bytes_in_use.load(Relaxed) as usize,
-            bytes_cached: self.bytes_cached.load(Relaxed) as usize,
+            bytes_in_use: self.bytes_held.load(Relaxed).saturating_sub(cached) as usize,
+            bytes_cached: cached as usize,
             peak_bytes: self.peak_bytes.load(Relaxed) as usize,
             invalidations: self.invalidations.load(Relaxed),
             evictions: self.evictions.load(Relaxed),

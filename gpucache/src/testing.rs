@@ -34,8 +34,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
 
 use parking_lot::Mutex;
 
-use crate::Device;
 use crate::backend::{self, AllocError, Backend, Storage, cpu::CpuBackend};
+use crate::{Device, DeviceStats};
 
 /// A CPU backend that counts what it does and fails allocations on demand. See the
 /// [module docs](self).
@@ -159,8 +159,12 @@ impl Backend for CountingBackend {
         self.outstanding_bytes.fetch_sub(bytes, SeqCst);
     }
 
-    fn allocated_bytes(&self, _device: Device) -> usize {
-        self.outstanding_bytes()
+    fn stats(&self, _device: Device) -> DeviceStats {
+        DeviceStats {
+            allocs: self.allocs(),
+            frees: self.frees(),
+            bytes_allocated: self.outstanding_bytes(),
+        }
     }
 }
 

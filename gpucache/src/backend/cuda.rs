@@ -22,7 +22,7 @@
 //! Unmarked buffers never create an event.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::{mem, ptr};
 
@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 
 use super::{AllocError, Backend, Storage};
-use crate::{Device, Error, Result};
+use crate::{Device, DeviceStats, Error, Result};
 
 /// What gpucache keeps for one CUDA device, for the life of the process.
 pub(crate) struct DeviceState {
@@ -42,7 +42,9 @@ pub(crate) struct DeviceState {
     pub(crate) default_stream: Arc<CudaStream>,
     /// A one-byte allocation whose pointer zero-size arrays pass to kernels (they own no memory).
     pub(crate) sentinel: CudaSlice<u8>,
-    /// Bytes allocated through gpucache and not yet freed.
+    /// Buffers allocated and freed through gpucache, and the bytes not yet freed.
+    allocs: AtomicU64,
+    frees: AtomicU64,
     outstanding: AtomicUsize,
 }
 
@@ -114,6 +116,8 @@ pub(crate) fn device_state(ordinal: usize) -> Result<&'static DeviceState> {
         ctx,
         default_stream,
         sentinel,
+        allocs: AtomicU64::new(0),
+        frees: AtomicU64::new(0),
         outstanding: AtomicUsize::new(0),
     }))
 }
@@ -224,27 +228,33 @@ impl Backend for CudaBackend {
         if zeroed {
             stream.memset_zeros(&mut slice).map_err(alloc_error)?;
         }
+        state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(bytes, Relaxed);
-        Ok(Storage::Cuda(CudaBuf {
+        Ok(Storage::Cuda(Box::new(CudaBuf {
             slice,
             stream,
             marked: Mutex::new(SmallVec::new()),
             events: Vec::new(),
-        }))
+        })))
     }
 
     fn free(&self, device: Device, storage: Storage) {
         let bytes = storage.bytes();
         drop(storage);
         if let Ok(state) = ordinal(device).and_then(device_state) {
+            state.frees.fetch_add(1, Relaxed);
             state.outstanding.fetch_sub(bytes, Relaxed);
         }
     }
 
-    fn allocated_bytes(&self, device: Device) -> usize {
+    fn stats(&self, device: Device) -> DeviceStats {
         ordinal(device)
             .and_then(device_state)
-            .map_or(0, |s| s.outstanding.load(Relaxed))
+            .map_or(DeviceStats::default(), |s| DeviceStats {
+                allocs: s.allocs.load(Relaxed),
+                frees: s.frees.load(Relaxed),
+                bytes_allocated: s.outstanding.load(Relaxed),
+            })
     }
 }
 
@@ -263,8 +273,14 @@ pub(crate) struct CudaBuf {
 
 impl CudaBuf {
     /// The size in bytes.
+    #[inline]
     pub(crate) fn bytes(&self) -> usize {
         self.slice.len()
+    }
+
+    /// The device the buffer lives on.
+    pub(crate) fn device(&self) -> Device {
+        Device::Cuda(self.slice.ordinal())
     }
 
     /// cudarc's slice of the whole buffer.
@@ -332,11 +348,12 @@ impl CudaBuf {
             .all(|e| e.try_is_complete().unwrap_or(true))
     }
 
-    /// Hands the buffer to a new owner on this thread's current stream for `device`.
-    pub(crate) fn prepare_reuse(&mut self, device: Device) -> Result<()> {
+    /// Hands the buffer to a new owner on this thread's current stream for its device.
+    #[inline]
+    pub(crate) fn prepare_reuse(&mut self) -> Result<()> {
         // The cache hands out only idle buffers: their events have completed.
         self.events.clear();
-        let n = ordinal(device)?;
+        let n = self.slice.ordinal();
         if current_handle(n) != self.stream.cu_stream() {
             let current = current_stream(n, device_state(n)?);
             current.join(&self.stream)?;
@@ -359,10 +376,10 @@ impl CudaBuf {
         Ok(())
     }
 
-    /// Copies the start of the buffer to `dst`, on this thread's current stream for `device`
+    /// Copies the start of the buffer to `dst`, on this thread's current stream for its device
     /// (ordered after the owner's stream), and waits for the copy.
-    pub(crate) fn read(&self, device: Device, dst: &mut [u8]) -> Result<()> {
-        let n = ordinal(device)?;
+    pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
+        let n = self.slice.ordinal();
         let state = device_state(n)?;
         let stream = current_stream(n, state);
         if stream.cu_stream() != self.stream.cu_stream() {

@@ -20,7 +20,7 @@ use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::{Arc, LazyLock};
 
-use crate::{Device, Error, Result};
+use crate::{Device, DeviceStats, Error, Result};
 
 /// Alignment of every host allocation, in bytes (a cache line, and enough for AVX-512 loads).
 pub(crate) const HOST_ALIGN: usize = 64;
@@ -32,8 +32,8 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError>;
     /// Gives memory made by [`Backend::alloc`] on `device` back.
     fn free(&self, device: Device, storage: Storage);
-    /// Bytes this backend has handed out on `device` and not yet had back.
-    fn allocated_bytes(&self, device: Device) -> usize;
+    /// What this backend has done on `device`.
+    fn stats(&self, device: Device) -> DeviceStats;
 }
 
 /// Why an allocation failed.
@@ -51,18 +51,29 @@ pub(crate) enum AllocError {
 pub(crate) enum Storage {
     /// Host memory.
     Host(HostBuf),
-    /// CUDA device memory.
+    /// CUDA device memory (boxed: arrays stay small, and the box is made once per device
+    /// allocation, not per hit).
     #[cfg(feature = "cuda")]
-    Cuda(cuda::CudaBuf),
+    Cuda(Box<cuda::CudaBuf>),
 }
 
 impl Storage {
     /// The size in bytes.
+    #[inline]
     pub(crate) fn bytes(&self) -> usize {
         match self {
-            Storage::Host(h) => h.bytes(),
+            Storage::Host(h) => h.bytes,
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.bytes(),
+        }
+    }
+
+    /// The device the memory lives on.
+    pub(crate) fn device(&self) -> Device {
+        match self {
+            Storage::Host(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.device(),
         }
     }
 }
@@ -82,22 +93,16 @@ unsafe impl Sync for HostBuf {}
 
 impl HostBuf {
     /// The start of the allocation.
+    #[inline]
     pub(crate) fn ptr(&self) -> NonNull<u8> {
         self.ptr
     }
-
-    /// The size in bytes.
-    pub(crate) fn bytes(&self) -> usize {
-        self.bytes
-    }
 }
 
-/// A block of device memory: a [`Storage`] with its size, device and the backend that owns it.
-/// Dropping a block gives its memory back to that backend.
+/// A block of device memory: a [`Storage`] and the backend that owns it. Dropping a block gives
+/// its memory back to that backend.
 pub(crate) struct Block {
     storage: ManuallyDrop<Storage>,
-    bytes: usize,
-    device: Device,
     backend: Arc<dyn Backend>,
 }
 
@@ -112,18 +117,18 @@ impl Block {
         let storage = backend.alloc(device, bytes, zeroed)?;
         Ok(Block {
             storage: ManuallyDrop::new(storage),
-            bytes,
-            device,
             backend: Arc::clone(backend),
         })
     }
 
     /// The capacity in bytes.
+    #[inline]
     pub(crate) fn bytes(&self) -> usize {
-        self.bytes
+        self.storage.bytes()
     }
 
     /// The host allocation, when the memory is host memory.
+    #[inline]
     pub(crate) fn host(&self) -> Option<&HostBuf> {
         match &*self.storage {
             Storage::Host(h) => Some(h),
@@ -152,6 +157,7 @@ impl Block {
 
     /// Whether no device work that was recorded against this block on another stream is still
     /// running, so that it may be handed out again. Host memory is always idle.
+    #[inline]
     pub(crate) fn is_idle(&self) -> bool {
         match &*self.storage {
             Storage::Host(_) => true,
@@ -173,20 +179,21 @@ impl Block {
 
     /// Prepares a recycled block for its new array: device backends order the thread's
     /// current stream after the block's earlier work. Nothing to do for host memory.
+    #[inline]
     pub(crate) fn prepare_reuse(&mut self) -> Result<()> {
         match &mut *self.storage {
             Storage::Host(_) => Ok(()),
             #[cfg(feature = "cuda")]
-            Storage::Cuda(c) => c.prepare_reuse(self.device),
+            Storage::Cuda(c) => c.prepare_reuse(),
         }
     }
 
     /// Sets the first `bytes` bytes to zero.
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
-        debug_assert!(bytes <= self.bytes);
+        debug_assert!(bytes <= self.bytes());
         match &mut *self.storage {
             Storage::Host(h) => {
-                // SAFETY: `h` owns `self.bytes >= bytes` writable bytes and we hold `&mut self`,
+                // SAFETY: `h` owns `h.bytes >= bytes` writable bytes and we hold `&mut self`,
                 // so nothing else reads or writes them meanwhile.
                 unsafe { h.ptr.as_ptr().write_bytes(0, bytes) };
                 Ok(())
@@ -198,10 +205,10 @@ impl Block {
 
     /// Copies `src` to the start of the block.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
-        debug_assert!(src.len() <= self.bytes);
+        debug_assert!(src.len() <= self.bytes());
         match &mut *self.storage {
             Storage::Host(h) => {
-                // SAFETY: the destination owns `self.bytes >= src.len()` bytes, is exclusively
+                // SAFETY: the destination owns `h.bytes >= src.len()` bytes, is exclusively
                 // borrowed through `&mut self`, and cannot overlap `src`, a shared borrow of
                 // other memory.
                 unsafe {
@@ -216,10 +223,10 @@ impl Block {
 
     /// Copies the start of the block to `dst`.
     pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
-        debug_assert!(dst.len() <= self.bytes);
+        debug_assert!(dst.len() <= self.bytes());
         match &*self.storage {
             Storage::Host(h) => {
-                // SAFETY: the source holds `self.bytes >= dst.len()` initialised bytes (host
+                // SAFETY: the source holds `h.bytes >= dst.len()` initialised bytes (host
                 // buffers are zeroed when allocated) and cannot overlap `dst`, an exclusive
                 // borrow of other memory.
                 unsafe {
@@ -228,7 +235,7 @@ impl Block {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Storage::Cuda(c) => c.read(self.device, dst),
+            Storage::Cuda(c) => c.read(dst),
         }
     }
 }
@@ -237,15 +244,15 @@ impl Drop for Block {
     fn drop(&mut self) {
         // SAFETY: `storage` is taken exactly once, here, and `self` is never used again.
         let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
-        self.backend.free(self.device, storage);
+        self.backend.free(storage.device(), storage);
     }
 }
 
 impl fmt::Debug for Block {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Block")
-            .field("bytes", &self.bytes)
-            .field("device", &self.device)
+            .field("bytes", &self.bytes())
+            .field("device", &self.storage.device())
             .finish_non_exhaustive()
     }
 }

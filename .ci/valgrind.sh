@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Valgrind memcheck over the CPU test binaries: the unit tests of both crates and every
+# integration test, except trybuild's `ui` test (it runs cargo and rustc itself). Any memory
+# error or definitely lost block fails the run. Extra arguments go to `cargo test --no-run`.
+#
+# The property tests and the stress test run with small sizes here (valgrind runs code 20 to
+# 50 times slower); set PROPTEST_CASES or GPUCACHE_STRESS_OPS to override.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+missing=()
+command -v valgrind >/dev/null || missing+=(valgrind)
+command -v jq >/dev/null || missing+=(jq)
+if ((${#missing[@]})); then
+    sudo=()
+    [[ $(id -u) == 0 ]] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}"
+fi
+
+export PROPTEST_CASES="${PROPTEST_CASES:-16}"
+export GPUCACHE_STRESS_OPS="${GPUCACHE_STRESS_OPS:-2000}"
+
+json=$(cargo test --workspace --no-run --message-format=json "$@")
+# "package directory<TAB>executable" for every test executable but `ui`.
+mapfile -t tests < <(jq -r '
+    select(.reason == "compiler-artifact" and .profile.test and .executable != null
+           and .target.name != "ui")
+    | "\(.manifest_path | rtrimstr("/Cargo.toml"))\t\(.executable)"' <<<"$json")
+if ((${#tests[@]} == 0)); then
+    echo "valgrind.sh: no test executables found" >&2
+    exit 1
+fi
+
+# Proc-macro crates' test binaries link the standard library dynamically; `cargo test` puts
+# its directory on the library path, so do the same.
+export LD_LIBRARY_PATH="$(rustc --print target-libdir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+suppressions=()
+if [[ -f .ci/valgrind.supp ]]; then
+    suppressions=(--suppressions="$PWD/.ci/valgrind.supp")
+fi
+
+failed=()
+for entry in "${tests[@]}"; do
+    dir=${entry%%$'\t'*}
+    bin=${entry#*$'\t'}
+    name=$(basename "$bin")
+    echo "=== valgrind memcheck: ${name%-*}"
+    # Run from the package directory, as `cargo test` does.
+    if ! (cd "$dir" && valgrind --tool=memcheck --error-exitcode=1 --leak-check=full \
+        --show-leak-kinds=definite --errors-for-leak-kinds=definite \
+        "${suppressions[@]}" "$bin" --quiet); then
+        failed+=("${name%-*}")
+    fi
+done
+
+if ((${#failed[@]})); then
+    echo "valgrind.sh: memory errors, leaks or test failures in: ${failed[*]}" >&2
+    exit 1
+fi
+echo "valgrind.sh: ${#tests[@]} test binaries clean under memcheck"

@@ -1,0 +1,271 @@
+//! Failure paths: bad input gets typed errors; out of memory releases cached buffers, retries
+//! once and then returns `Error::OutOfMemory`; nothing leaks.
+//!
+//! Tests that act on every thread's caches (out-of-memory recovery, `empty_cache`) take the
+//! `serial()` lock, so that they cannot release each other's buffers mid-test.
+
+mod common;
+
+use std::sync::{Arc, mpsc};
+use std::thread;
+
+use common::{all_eq, escaping_step, filled, for_each_device, serial};
+use gpucache::testing::{CountingBackend, use_backend};
+use gpucache::{Array, Device, Error, Reuse, Shape, enter, stats};
+
+#[test]
+fn shape_overflow_is_a_typed_error() {
+    for_each_device("overflow", |dev, name| {
+        let _scope = enter(name);
+        let err = Array::<u8>::zeros(dev, [usize::MAX, 2]).unwrap_err();
+        assert!(
+            matches!(&err, Error::ShapeOverflow { dims, .. } if dims == &[usize::MAX, 2]),
+            "{err:?}"
+        );
+        // The element count fits, the byte count does not.
+        let err = Array::<f32>::empty(dev, [1 << 31, 1 << 31]).unwrap_err();
+        assert!(matches!(err, Error::ShapeOverflow { .. }), "{err:?}");
+        assert!(err.to_string().contains("too large"), "{err}");
+        assert_eq!(stats(name).misses + stats(name).hits, 0);
+    });
+    assert!(Shape::from([usize::MAX, usize::MAX]).numel().is_err());
+}
+
+#[test]
+fn length_mismatch_is_a_typed_error() {
+    for_each_device("mismatch", |dev, _| {
+        let err = Array::from_slice(dev, &[1.0f32; 5], [2, 3]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::LengthMismatch {
+                    expected: 6,
+                    got: 5,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains('5') && msg.contains('6'), "{msg}");
+    });
+}
+
+#[test]
+fn zero_size_arrays_work_and_touch_no_cache() {
+    for_each_device("zero-size", |dev, name| {
+        let _scope = enter(name);
+        let a = Array::<f32>::zeros(dev, [0, 5]).unwrap();
+        assert!(a.is_empty());
+        assert_eq!((a.len(), a.num_bytes()), (0, 0));
+        assert_eq!(a.to_vec().unwrap(), Vec::<f32>::new());
+        let b = Array::<u8>::from_slice(dev, &[], 0).unwrap();
+        assert!(b.is_empty());
+        assert_eq!(stats(name), Default::default());
+        let scalar = Array::from_slice(dev, &[3i64], Shape::scalar()).unwrap();
+        assert_eq!((scalar.len(), scalar.to_vec().unwrap()), (1, vec![3]));
+    });
+}
+
+#[test]
+fn a_missing_gpu_is_a_typed_error() {
+    let err = Array::<f32>::zeros(Device::Cuda(99), 4).unwrap_err();
+    assert!(err.to_string().contains("cuda:99"), "{err}");
+    assert!(Device::cuda(99).is_err());
+}
+
+#[test]
+fn host_access_to_a_device_array_is_refused() {
+    let dev = common::devices().into_iter().find(|d| d.is_cuda());
+    let Some(dev) = dev else { return };
+    let mut a = Array::<f32>::zeros(dev, 4).unwrap();
+    assert!(matches!(a.as_slice(), Err(Error::NotHostAccessible { .. })));
+    assert!(matches!(
+        a.as_mut_slice(),
+        Err(Error::NotHostAccessible { .. })
+    ));
+}
+
+#[test]
+fn one_pebibyte_on_the_cpu_is_out_of_memory() {
+    let _serial = serial();
+    let err = Array::<u8>::zeros(Device::Cpu, 1usize << 50).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfMemory { device: Device::Cpu, requested, .. } if requested == 1 << 50
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("out of memory on cpu"), "{err}");
+}
+
+/// Caches three free 1 KiB buffers of distinct keys in `name`.
+fn cache_three(name: &str) {
+    let _scope = enter(name);
+    for shape in [[256, 1], [1, 256], [16, 16]] {
+        Array::<f32>::zeros(Device::Cpu, shape).unwrap();
+    }
+}
+
+#[test]
+fn a_failed_allocation_releases_the_cache_and_retries_once() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    cache_three("retry");
+    assert_eq!(backend.outstanding_bytes(), 3 * 1024);
+    backend.fail_nth(1);
+    let a = filled(Device::Cpu, 1.0f32, 100);
+    assert_eq!((backend.failures(), backend.attempts()), (1, 5));
+    let s = stats("retry");
+    assert_eq!(
+        (s.bytes_cached, s.device_frees),
+        (0, 3),
+        "the cache was released"
+    );
+    assert_eq!(backend.outstanding_bytes(), 400);
+    assert!(all_eq(&a, 1.0));
+}
+
+#[test]
+fn out_of_memory_after_the_retry_is_a_typed_error_and_nothing_leaks() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    let live = escaping_step(Device::Cpu, "oom", 1.0);
+    backend.fail_nth(1);
+    backend.fail_nth(2);
+    let err = {
+        let _scope = enter("oom");
+        Array::<f32>::zeros(Device::Cpu, 1024).unwrap_err()
+    };
+    match err {
+        Error::OutOfMemory {
+            device,
+            requested,
+            cached,
+            in_use,
+        } => {
+            assert_eq!((device, requested), (Device::Cpu, 4096));
+            assert_eq!((cached, in_use), (0, 1024), "only `live` is left");
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert_eq!(stats("oom").bytes_cached, 0);
+    // The thread keeps working.
+    let again = filled(Device::Cpu, 2.0f32, 1024);
+    assert!(all_eq(&again, 2.0) && all_eq(&live, 1.0));
+    drop((again, live));
+    gpucache::invalidate("oom");
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+    assert_eq!(backend.allocs(), backend.frees());
+}
+
+#[test]
+fn a_device_limit_is_met_by_releasing_the_cache() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    cache_three("limit");
+    backend.set_limit(Some(4096));
+    let _scope = enter("limit");
+    let big = Array::<u8>::zeros(Device::Cpu, 2048).unwrap();
+    assert_eq!(backend.failures(), 1);
+    assert_eq!(backend.outstanding_bytes(), 2048);
+    assert_eq!(stats("limit").device_frees, 3);
+    assert_eq!(big.len(), 2048);
+}
+
+/// A worker thread's side of [`on_worker`]: `pause` hands control to the main thread and
+/// waits until it is done.
+struct Pause {
+    to_main: mpsc::Sender<()>,
+    from_main: mpsc::Receiver<()>,
+}
+
+impl Pause {
+    fn pause(&self) {
+        self.to_main.send(()).unwrap();
+        self.from_main.recv().unwrap();
+    }
+}
+
+/// Runs `worker` on a new thread with `backend` installed; when it calls `Pause::pause`, runs
+/// `main` on this thread, then lets the worker finish. Returns what the worker returns. If
+/// `main` panics, the worker's `pause` fails too, so nothing hangs.
+fn on_worker<R: Send>(
+    backend: &Arc<CountingBackend>,
+    worker: impl FnOnce(&Pause) -> R + Send,
+    main: impl FnOnce(),
+) -> R {
+    let (to_main, from_worker) = mpsc::channel();
+    let (to_worker, from_main) = mpsc::channel();
+    thread::scope(move |s| {
+        let handle = s.spawn(move || {
+            let _installed = use_backend(backend);
+            worker(&Pause { to_main, from_main })
+        });
+        from_worker.recv().unwrap();
+        main();
+        to_worker.send(()).unwrap();
+        handle.join().unwrap()
+    })
+}
+
+#[test]
+fn out_of_memory_releases_other_threads_caches() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let worker_cached = on_worker(
+        &backend,
+        |pause| {
+            cache_three("other-thread");
+            pause.pause();
+            stats("other-thread").bytes_cached
+        },
+        || {
+            let _installed = use_backend(&backend);
+            backend.set_limit(Some(4096));
+            let a = Array::<u8>::zeros(Device::Cpu, 2048).unwrap();
+            assert_eq!(backend.outstanding_bytes(), 2048);
+            drop(a);
+        },
+    );
+    assert_eq!(worker_cached, 0, "the worker's cache was released");
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
+fn empty_cache_reaches_every_thread() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let (busy_during, busy_after) = on_worker(
+        &backend,
+        |pause| {
+            // An idle cache, released by `empty_cache` at once.
+            drop(escaping_step(Device::Cpu, "idle", 1.0));
+            // A cache inside a scope, released when the scope exits.
+            common::configure("busy", |c| c.reuse = Reuse::Immediate);
+            let scope = enter("busy");
+            drop(Array::<u8>::zeros(Device::Cpu, 100).unwrap());
+            pause.pause();
+            let during = stats("busy").bytes_cached;
+            drop(scope);
+            (during, stats("busy").bytes_cached)
+        },
+        || {
+            assert_eq!(backend.outstanding_bytes(), 2 * 1024 + 100);
+            gpucache::empty_cache();
+            assert_eq!(
+                backend.outstanding_bytes(),
+                100,
+                "the idle cache was released"
+            );
+        },
+    );
+    assert_eq!(busy_during, 100, "busy: kept until its scope exits");
+    assert_eq!(busy_after, 0, "released when the scope exited");
+    assert_eq!(backend.outstanding_bytes(), 0);
+}

@@ -1,0 +1,768 @@
+//! Random programs of cache operations, checked after every step against a model of DESIGN §4.
+//!
+//! A program enters and exits scopes of three cache names (nested, recursive, and exited out of
+//! order), allocates arrays of five element types and small shapes (zero-size and scalars
+//! included) with every constructor, drops them here or on a helper thread, invalidates,
+//! reconfigures (reuse, key policy, byte cap), empties every cache and reads stats. The model
+//! keeps what the design promises: which buffers are free in which cache, which are waiting for
+//! their scope to exit, and which arrays are alive. After every step the test checks that
+//!
+//! * no two live arrays share storage, and each still holds the pattern written at allocation;
+//! * every counter of every cache equals the model's (so `hits + misses` is the number of
+//!   non-empty allocations made inside the cache's scopes, `bytes_in_use` the buffers of its live
+//!   arrays plus those dropped inside a still-active `Reuse::OnExit` scope, `bytes_cached` its free
+//!   buffers, all in buffer capacities: size classes round up);
+//! * the backend's outstanding bytes are the caches' bytes plus the live arrays allocated outside
+//!   any scope, and its allocation and free counts are the caches' plus those arrays';
+//!
+//! and after the program that dropping everything, `invalidate` and `empty_cache` give every
+//! byte back. A failing program shrinks to a short list of readable operations.
+//!
+//! `empty_cache` reaches every thread's caches, so the tests of this binary run one at a time
+//! (`serial()`). `PROPTEST_CASES` sets the number of programs (default [`DEFAULT_CASES`]).
+
+mod common;
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread;
+
+use common::pattern::{AnyArray, Dt, Init, first_overlap};
+use common::{configure, serial};
+use gpucache::testing::{CountingBackend, use_backend};
+use gpucache::{Array, CacheConfig, CacheStats, Device, KeyPolicy, Reuse, ScopeGuard};
+use proptest::prelude::*;
+use proptest::sample::select;
+use proptest::test_runner::FileFailurePersistence;
+
+/// Programs per run when `PROPTEST_CASES` is not set.
+const DEFAULT_CASES: u32 = 256;
+
+/// The shapes a program allocates: scalars, zero-size, and a few that repeat often enough to
+/// hit. Sizes stay small; under `KeyPolicy::SizeClass` some fall into one class, some do not.
+const SHAPES: &[&[usize]] = &[
+    &[],
+    &[0],
+    &[1],
+    &[3, 0, 2],
+    &[7],
+    &[4, 4],
+    &[2, 3, 4],
+    &[100],
+    &[33, 7],
+    &[300],
+    &[16, 64],
+];
+
+/// The byte caps a program configures.
+const CAPS: &[Option<usize>] = &[None, Some(0), Some(700), Some(4096)];
+
+/// A cache name of the program (`prop/A`, ...; each program runs on a fresh thread).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Name {
+    A,
+    B,
+    C,
+}
+
+const NAMES: [Name; 3] = [Name::A, Name::B, Name::C];
+
+/// One operation of a program. Indices into the live arrays or the scope stack are taken
+/// modulo their length (an operation on an empty list does nothing).
+#[derive(Clone, Debug)]
+enum Op {
+    /// A loop calling a step `times` times: the step runs `ops` inside a scope of `scope` if it
+    /// is set (as a `#[cache_scope]` fn does), then drops the arrays it made that are still
+    /// alive, newest first, except the newest one if `returns` (it escapes the step).
+    Loop {
+        times: usize,
+        scope: Option<Name>,
+        returns: bool,
+        ops: Vec<Op>,
+    },
+    /// (Unrolled loops only.) A step starts: remember which arrays are new from here on.
+    StepStart,
+    /// (Unrolled loops only.) A step ends: drop the arrays made since its start, newest first,
+    /// except the newest one if `true`.
+    StepEnd(bool),
+    /// `enter(name)`, left open until an `Exit` (maybe another scope's).
+    Enter(Name),
+    /// Drop the innermost scope guard.
+    Exit,
+    /// Drop the scope guard at this depth (outermost is 0), which need not be the innermost.
+    ExitAt(usize),
+    /// Allocate an array; it gets the next id and that id's pattern.
+    Alloc(Dt, &'static [usize], Init),
+    /// Drop a live array on this thread.
+    Drop(usize),
+    /// Send a live array to the helper thread, which checks its pattern and drops it.
+    SendAway(usize),
+    Invalidate(Name),
+    Configure(Name, Reuse, KeyPolicy, Option<usize>),
+    EmptyCache,
+    /// Read `stats` and `summary`.
+    Stats(Name),
+}
+
+/// Types and shapes that most allocations use, so that programs hit often.
+const COMMON: &[(Dt, &[usize])] = &[(Dt::F32, &[4, 4]), (Dt::U8, &[300]), (Dt::I64, &[7])];
+
+fn array_type() -> impl Strategy<Value = (Dt, &'static [usize])> {
+    prop_oneof![
+        3 => select(COMMON),
+        1 => (select(&Dt::ALL[..]), select(SHAPES)),
+    ]
+}
+
+/// Mostly one name, so that scopes are re-entered often.
+fn name() -> impl Strategy<Value = Name> + Clone {
+    prop_oneof![4 => Just(Name::A), 2 => Just(Name::B), 1 => Just(Name::C)]
+}
+
+/// Every operation but `Loop`.
+fn simple_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => name().prop_map(Op::Enter),
+        1 => Just(Op::Exit),
+        1 => (0..4usize).prop_map(Op::ExitAt),
+        12 => (array_type(), select(&Init::ALL[..])).prop_map(|((d, s), i)| Op::Alloc(d, s, i)),
+        8 => (0..16usize).prop_map(Op::Drop),
+        2 => (0..16usize).prop_map(Op::SendAway),
+        1 => name().prop_map(Op::Invalidate),
+        1 => (
+            name(),
+            select(&[Reuse::OnExit, Reuse::Immediate][..]),
+            select(&[KeyPolicy::Exact, KeyPolicy::SizeClass][..]),
+            select(CAPS),
+        )
+            .prop_map(|(n, r, k, c)| Op::Configure(n, r, k, c)),
+        1 => Just(Op::EmptyCache),
+        1 => name().prop_map(Op::Stats),
+    ]
+}
+
+/// A program: simple operations and loops of them, nested up to three deep.
+#[derive(Clone)]
+struct Program(Vec<Op>);
+
+/// One operation a line, each on one line, so that a shrunk program reads at a glance.
+impl fmt::Debug for Program {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "[")?;
+        for op in &self.0 {
+            writeln!(f, "    {op:?},")?;
+        }
+        write!(f, "]")
+    }
+}
+
+fn program() -> impl Strategy<Value = Program> {
+    let op = simple_op().prop_recursive(3, 64, 8, |inner| {
+        let scope = prop::option::weighted(0.9, name());
+        (
+            1..=3usize,
+            scope,
+            any::<bool>(),
+            prop::collection::vec(inner, 1..8),
+        )
+            .prop_map(|(times, scope, returns, ops)| Op::Loop {
+                times,
+                scope,
+                returns,
+                ops,
+            })
+    });
+    prop::collection::vec(op, 0..16).prop_map(Program)
+}
+
+/// The simple operations `ops` runs, in order, loops unrolled.
+fn unroll(ops: &[Op], out: &mut Vec<Op>) {
+    for op in ops {
+        match op {
+            Op::Loop {
+                times,
+                scope,
+                returns,
+                ops,
+            } => {
+                for _ in 0..*times {
+                    out.extend(scope.map(Op::Enter));
+                    out.push(Op::StepStart);
+                    unroll(ops, out);
+                    out.push(Op::StepEnd(*returns));
+                    out.extend(scope.map(|_| Op::Exit));
+                }
+            }
+            simple => out.push(simple.clone()),
+        }
+    }
+}
+
+fn config() -> ProptestConfig {
+    let mut config = ProptestConfig {
+        // Beside this file: tests/prop_programs.proptest-regressions.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
+        ..ProptestConfig::default()
+    };
+    if std::env::var_os("PROPTEST_CASES").is_none() {
+        config.cases = DEFAULT_CASES;
+    }
+    config
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn random_programs_keep_every_invariant(program in program()) {
+        let _serial = serial();
+        run(&program.0);
+    }
+}
+
+/// A few programs that once mattered, run on every `cargo test` whatever the random seed.
+#[test]
+fn fixed_programs() {
+    use Op::*;
+    let _serial = serial();
+    let f32x4x4 = |init| Alloc(Dt::F32, &[4, 4], init);
+    // Recursion of one name: the inner exit frees nothing, the outer one frees both.
+    run(&[
+        Enter(Name::A),
+        f32x4x4(Init::Zeros),
+        Enter(Name::A),
+        f32x4x4(Init::Empty),
+        Drop(0),
+        Drop(0),
+        Exit,
+        Exit,
+        Enter(Name::A),
+        f32x4x4(Init::Empty),
+        f32x4x4(Init::FromSlice),
+        f32x4x4(Init::Zeros),
+    ]);
+    // An escaped array dropped on another thread comes home; an invalidated one is freed.
+    run(&[
+        Enter(Name::B),
+        Alloc(Dt::U8, &[300], Init::Empty),
+        Exit,
+        SendAway(0),
+        Enter(Name::B),
+        Alloc(Dt::U8, &[300], Init::Empty),
+        Invalidate(Name::B),
+        SendAway(0),
+    ]);
+    // Size classes: one buffer serves several shapes and types; a cap evicts it.
+    run(&[
+        Configure(Name::C, Reuse::Immediate, KeyPolicy::SizeClass, None),
+        Enter(Name::C),
+        Alloc(Dt::F32, &[100], Init::Zeros),
+        Drop(0),
+        Alloc(Dt::Bool, &[300], Init::Empty),
+        Alloc(Dt::I64, &[7], Init::Empty),
+        Drop(0),
+        Drop(0),
+        Configure(Name::C, Reuse::OnExit, KeyPolicy::SizeClass, Some(0)),
+        EmptyCache,
+    ]);
+    // Out-of-order exit of an outer scope while an inner one stays active.
+    run(&[
+        Enter(Name::A),
+        Enter(Name::B),
+        Alloc(Dt::F16, &[2, 3, 4], Init::Empty),
+        Drop(0),
+        ExitAt(0),
+        Alloc(Dt::F16, &[2, 3, 4], Init::Zeros),
+        Exit,
+        Alloc(Dt::F16, &[2, 3, 4], Init::Zeros),
+    ]);
+}
+
+/// Found by `random_programs_keep_every_invariant`: with the same name entered twice around
+/// another scope, dropping the *outer* guard first must leave the inner entry of that name
+/// innermost (the stack is `[a, b, a]`; removing its first entry leaves `[b, a]`).
+#[test]
+fn dropping_the_outer_guard_of_a_recursive_scope_keeps_the_inner_entry_current() {
+    let _serial = serial();
+    let outer = gpucache::enter("ooo-a");
+    let middle = gpucache::enter("ooo-b");
+    let inner = gpucache::enter("ooo-a");
+    drop(outer);
+    assert_eq!(gpucache::current_scope().as_deref(), Some("ooo-a"));
+    drop(inner);
+    assert_eq!(gpucache::current_scope().as_deref(), Some("ooo-b"));
+    drop(middle);
+    assert_eq!(gpucache::current_scope(), None);
+}
+
+/// Found by `random_programs_keep_every_invariant`: buffers cached while the cache had no byte
+/// cap keep their least-recently-freed order when a cap is set later.
+#[test]
+fn a_cap_set_later_evicts_the_least_recently_freed_first() {
+    let _serial = serial();
+    let name = "cap-set-later";
+    {
+        let _scope = gpucache::enter(name);
+        let small = Array::<u8>::zeros(Device::Cpu, 300).unwrap(); // the first key
+        let big = Array::<i64>::zeros(Device::Cpu, 100).unwrap(); // 800 bytes
+        drop(big); // freed first
+        drop(small);
+    }
+    configure(name, |c| c.max_cached_bytes = Some(700));
+    let s = gpucache::stats(name);
+    assert_eq!(
+        (s.evictions, s.bytes_cached),
+        (1, 300),
+        "the least recently freed buffer alone goes: {s}"
+    );
+}
+
+/// Runs `program` on a fresh thread (so that its caches start empty and are closed at the end)
+/// with a fresh counting backend, and checks the model after every step and after the clean-up.
+fn run(program: &[Op]) {
+    let mut steps = Vec::new();
+    unroll(program, &mut steps);
+    let backend = CountingBackend::new();
+    thread::scope(|s| {
+        let (to_helper, arrays) = channel::<(AnyArray, u64)>();
+        let (acks, from_helper) = channel::<bool>();
+        let backend = &backend;
+        s.spawn(move || {
+            let _installed = use_backend(backend);
+            for (array, id) in arrays {
+                let intact = array.holds(id);
+                drop(array);
+                if acks.send(intact).is_err() {
+                    break;
+                }
+            }
+        });
+        let program = thread::Builder::new().name("program".into());
+        let main = program.spawn_scoped(s, move || {
+            let _installed = use_backend(backend);
+            let mut world = World::new(Arc::clone(backend), to_helper, from_helper);
+            for (step, op) in steps.iter().enumerate() {
+                world.apply(op);
+                world.check(&format!("after step {step} ({op:?})"));
+            }
+            world.clean_up();
+        });
+        let main = main.expect("spawn");
+        // Hand a failure to proptest as it was.
+        main.join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    });
+    assert_eq!(backend.outstanding_bytes(), 0, "{backend:?}");
+    assert_eq!(backend.allocs(), backend.frees(), "{backend:?}");
+}
+
+/// A free list key, as the design defines it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Key {
+    Exact(Dt, &'static [usize]),
+    Class(usize),
+}
+
+/// The size class of `bytes > 0` as `KeyPolicy::SizeClass` documents it: 512 bytes and below,
+/// then four classes per power of two (`2^k`, `1.25·2^k`, `1.5·2^k`, `1.75·2^k`).
+fn size_class(bytes: usize) -> usize {
+    (9..usize::BITS - 1)
+        .flat_map(|k| (4..8).map(move |m| m << (k - 2)))
+        .find(|&c| c >= bytes)
+        .expect("test sizes are small")
+}
+
+/// Where a live array's buffer belongs.
+#[derive(Clone, Copy, Debug)]
+struct Home {
+    cache: usize,
+    generation: u64,
+    key: Key,
+    capacity: usize,
+}
+
+struct LiveArray {
+    id: u64,
+    array: AnyArray,
+    /// `None` for arrays allocated outside any scope (and zero-size arrays).
+    home: Option<Home>,
+    /// The bytes of the buffer: its capacity, or the array's bytes outside any scope.
+    capacity: usize,
+}
+
+/// What one cache should hold and have counted.
+#[derive(Default)]
+struct CacheModel {
+    config: CacheConfig,
+    /// Active entries (the cache's guards on the scope stack).
+    depth: usize,
+    generation: u64,
+    /// Free buffers, least recently freed first.
+    free: VecDeque<(Key, usize)>,
+    /// Buffers dropped inside an active `OnExit` scope, in drop order.
+    pending: Vec<(Key, usize)>,
+    /// The event counters (hits, misses, device allocs/frees, invalidations, evictions, peak).
+    counted: CacheStats,
+}
+
+impl CacheModel {
+    fn cached(&self) -> usize {
+        self.free.iter().map(|f| f.1).sum()
+    }
+
+    fn key(&self, dt: Dt, shape: &'static [usize], bytes: usize) -> (Key, usize) {
+        match self.config.key {
+            KeyPolicy::Exact => (Key::Exact(dt, shape), bytes),
+            KeyPolicy::SizeClass => (Key::Class(size_class(bytes)), size_class(bytes)),
+        }
+    }
+
+    /// A buffer becomes free; the least recently freed go over the cap.
+    fn push_free(&mut self, buffer: (Key, usize)) {
+        self.free.push_back(buffer);
+        self.evict();
+    }
+
+    fn evict(&mut self) {
+        let Some(cap) = self.config.max_cached_bytes else {
+            return;
+        };
+        while self.cached() > cap {
+            self.free.pop_front();
+            self.counted.evictions += 1;
+            self.counted.device_frees += 1;
+        }
+    }
+
+    /// The buffer of a dropped array with this home comes back.
+    fn release(&mut self, home: Home) {
+        if home.generation != self.generation {
+            self.counted.device_frees += 1;
+        } else if self.depth > 0 && self.config.reuse == Reuse::OnExit {
+            self.pending.push((home.key, home.capacity));
+        } else {
+            self.push_free((home.key, home.capacity));
+        }
+    }
+
+    fn flush(&mut self) {
+        self.counted.device_frees += self.free.len() as u64;
+        self.free.clear();
+    }
+
+    fn invalidate(&mut self) {
+        self.flush();
+        self.counted.device_frees += self.pending.len() as u64;
+        self.pending.clear();
+        self.generation += 1;
+        self.counted.invalidations += 1;
+    }
+
+    fn exit(&mut self) {
+        self.depth -= 1;
+        if self.depth == 0 {
+            for buffer in std::mem::take(&mut self.pending) {
+                self.push_free(buffer);
+            }
+        }
+    }
+}
+
+/// The real state (guards, arrays, the helper thread) beside the model of what it should be.
+struct World {
+    backend: Arc<CountingBackend>,
+    /// The cache names (each program runs on a fresh thread, whose caches start empty).
+    names: [String; 3],
+    /// Caches that exist (entered or configured at least once).
+    caches: [Option<CacheModel>; 3],
+    stack: Vec<(usize, ScopeGuard)>,
+    /// Live arrays, oldest first.
+    live: Vec<LiveArray>,
+    /// The first array id of each step under way, innermost last.
+    steps: Vec<u64>,
+    next_id: u64,
+    /// Live arrays allocated outside any scope: their bytes, and allocations/frees of such.
+    outside_bytes: usize,
+    outside_allocs: u64,
+    outside_frees: u64,
+    to_helper: Sender<(AnyArray, u64)>,
+    from_helper: Receiver<bool>,
+}
+
+impl World {
+    fn new(
+        backend: Arc<CountingBackend>,
+        to_helper: Sender<(AnyArray, u64)>,
+        from_helper: Receiver<bool>,
+    ) -> World {
+        World {
+            backend,
+            names: NAMES.map(|n| format!("prop/{n:?}")),
+            caches: Default::default(),
+            stack: Vec::new(),
+            live: Vec::new(),
+            steps: Vec::new(),
+            next_id: 1,
+            outside_bytes: 0,
+            outside_allocs: 0,
+            outside_frees: 0,
+            to_helper,
+            from_helper,
+        }
+    }
+
+    fn cache(&mut self, name: Name) -> &mut CacheModel {
+        self.caches[name as usize].get_or_insert_with(CacheModel::default)
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match *op {
+            Op::Enter(name) => {
+                let guard = gpucache::enter(&self.names[name as usize]);
+                self.cache(name).depth += 1;
+                self.stack.push((name as usize, guard));
+            }
+            Op::Exit => {
+                if let Some(depth) = self.stack.len().checked_sub(1) {
+                    self.exit_at(depth);
+                }
+            }
+            Op::ExitAt(i) => {
+                if !self.stack.is_empty() {
+                    self.exit_at(i % self.stack.len());
+                }
+            }
+            Op::Alloc(dt, shape, init) => self.alloc(dt, shape, init),
+            Op::Drop(i) | Op::SendAway(i) => {
+                if !self.live.is_empty() {
+                    let live = self.live.remove(i % self.live.len());
+                    self.drop_array(live, matches!(op, Op::SendAway(_)));
+                }
+            }
+            Op::Invalidate(name) => {
+                gpucache::invalidate(&self.names[name as usize]);
+                if let Some(cache) = &mut self.caches[name as usize] {
+                    cache.invalidate();
+                }
+            }
+            Op::Configure(name, reuse, key, max_cached_bytes) => {
+                let config = CacheConfig {
+                    reuse,
+                    key,
+                    max_cached_bytes,
+                };
+                gpucache::configure(&self.names[name as usize], config);
+                let cache = self.cache(name);
+                if cache.config.key != key {
+                    cache.invalidate();
+                }
+                cache.config = config;
+                cache.evict();
+            }
+            Op::EmptyCache => {
+                gpucache::empty_cache();
+                self.caches.iter_mut().flatten().for_each(CacheModel::flush);
+            }
+            Op::Loop { .. } => unreachable!("loops are unrolled"),
+            Op::StepStart => self.steps.push(self.next_id),
+            Op::StepEnd(returns) => {
+                let first = self.steps.pop().expect("a step started");
+                let mut made: Vec<usize> = (0..self.live.len())
+                    .filter(|&i| self.live[i].id >= first)
+                    .collect();
+                if returns {
+                    made.pop();
+                }
+                for i in made.into_iter().rev() {
+                    let live = self.live.remove(i);
+                    self.drop_array(live, false);
+                }
+            }
+            Op::Stats(name) => {
+                let full = &self.names[name as usize];
+                let table = gpucache::summary();
+                assert_eq!(
+                    table.contains(full.as_str()),
+                    self.caches[name as usize].is_some(),
+                    "summary of {full}:\n{table}"
+                );
+                // `check` compares the counters.
+            }
+        }
+        self.note_peaks();
+    }
+
+    fn exit_at(&mut self, depth: usize) {
+        let (cache, guard) = self.stack.remove(depth);
+        drop(guard);
+        self.caches[cache].as_mut().expect("entered").exit();
+    }
+
+    fn alloc(&mut self, dt: Dt, shape: &'static [usize], init: Init) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let array = AnyArray::new(Device::Cpu, dt, shape, init, id)
+            .unwrap_or_else(|e| panic!("allocation {id} failed: {e}"));
+        let bytes = shape.iter().product::<usize>() * dt.size();
+        let (home, capacity) = match self.stack.last() {
+            _ if bytes == 0 => (None, 0),
+            None => {
+                self.outside_bytes += bytes;
+                self.outside_allocs += 1;
+                (None, bytes)
+            }
+            Some(&(index, _)) => {
+                let cache = self.caches[index].as_mut().expect("entered");
+                let (key, capacity) = cache.key(dt, shape, bytes);
+                if let Some(at) = cache.free.iter().rposition(|f| f.0 == key) {
+                    cache.free.remove(at);
+                    cache.counted.hits += 1;
+                } else {
+                    cache.counted.misses += 1;
+                    cache.counted.device_allocs += 1;
+                }
+                let home = Home {
+                    cache: index,
+                    generation: cache.generation,
+                    key,
+                    capacity,
+                };
+                (Some(home), capacity)
+            }
+        };
+        self.live.push(LiveArray {
+            id,
+            array,
+            home,
+            capacity,
+        });
+    }
+
+    fn drop_array(&mut self, live: LiveArray, on_helper: bool) {
+        if on_helper {
+            self.to_helper
+                .send((live.array, live.id))
+                .expect("helper alive");
+            let intact = self.from_helper.recv().expect("helper alive");
+            assert!(
+                intact,
+                "array {} lost its pattern before it was sent",
+                live.id
+            );
+        } else {
+            drop(live.array);
+        }
+        match live.home {
+            Some(home) => self.caches[home.cache]
+                .as_mut()
+                .expect("allocated in it")
+                .release(home),
+            None if live.capacity > 0 => {
+                self.outside_bytes -= live.capacity;
+                self.outside_frees += 1;
+            }
+            None => {}
+        }
+    }
+
+    /// Raises each cache's expected peak to the bytes it holds now.
+    fn note_peaks(&mut self) {
+        for i in 0..self.caches.len() {
+            let held = self.in_use(i) + self.caches[i].as_ref().map_or(0, CacheModel::cached);
+            if let Some(cache) = &mut self.caches[i] {
+                cache.counted.peak_bytes = cache.counted.peak_bytes.max(held);
+            }
+        }
+    }
+
+    /// The bytes cache `i` should count as in use: its live arrays' buffers, of any generation,
+    /// and the buffers waiting for its scope to exit.
+    fn in_use(&self, i: usize) -> usize {
+        let live: usize = self
+            .live
+            .iter()
+            .filter(|l| l.home.is_some_and(|h| h.cache == i))
+            .map(|l| l.capacity)
+            .sum();
+        let pending = self.caches[i]
+            .as_ref()
+            .map_or(0, |c| c.pending.iter().map(|p| p.1).sum());
+        live + pending
+    }
+
+    fn expected_stats(&self, i: usize) -> CacheStats {
+        match &self.caches[i] {
+            None => CacheStats::default(),
+            Some(cache) => CacheStats {
+                bytes_in_use: self.in_use(i),
+                bytes_cached: cache.cached(),
+                ..cache.counted
+            },
+        }
+    }
+
+    fn check(&self, when: &str) {
+        let innermost = self.stack.last().map(|&(i, _)| self.names[i].clone());
+        assert_eq!(gpucache::current_scope(), innermost, "{when}");
+
+        let mut held = 0;
+        let (mut allocs, mut frees) = (self.outside_allocs, self.outside_frees);
+        for i in 0..self.names.len() {
+            let expected = self.expected_stats(i);
+            let actual = gpucache::stats(&self.names[i]);
+            assert_eq!(actual, expected, "stats of {} {when}", self.names[i]);
+            held += expected.bytes_in_use + expected.bytes_cached;
+            allocs += expected.device_allocs;
+            frees += expected.device_frees;
+        }
+        let b = &self.backend;
+        assert_eq!(
+            b.outstanding_bytes(),
+            held + self.outside_bytes,
+            "backend bytes {when}"
+        );
+        assert_eq!(
+            (b.allocs(), b.frees()),
+            (allocs, frees),
+            "backend counts {when}"
+        );
+
+        for live in &self.live {
+            assert!(
+                live.array.holds(live.id),
+                "array {} lost its pattern {when}",
+                live.id
+            );
+        }
+        let mut ranges: Vec<_> = self
+            .live
+            .iter()
+            .filter_map(|l| Some((l.array.addr()?, l.capacity, l.id)))
+            .collect();
+        if let Some((a, b)) = first_overlap(&mut ranges) {
+            panic!("arrays {a} and {b} share storage {when}");
+        }
+    }
+
+    /// Drops every array and guard, invalidates every cache and empties them all: the backend
+    /// must get every byte back.
+    fn clean_up(&mut self) {
+        while let Some(live) = self.live.pop() {
+            self.drop_array(live, false);
+        }
+        while let Some(depth) = self.stack.len().checked_sub(1) {
+            self.exit_at(depth);
+        }
+        self.check("after dropping everything");
+        for name in NAMES {
+            self.apply(&Op::Invalidate(name));
+        }
+        self.apply(&Op::EmptyCache);
+        self.check("after the clean-up");
+        assert_eq!(self.backend.outstanding_bytes(), 0);
+    }
+}

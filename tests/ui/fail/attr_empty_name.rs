@@ -1,0 +1,8 @@
+use gpucache::prelude::*;
+
+#[cache_scope("")]
+fn empty() {}
+
+fn main() {
+    empty();
+}

@@ -1,0 +1,7 @@
+use gpucache::cache_scope;
+
+fn main() {
+    cache_scope!(step);
+    cache_scope!("step",);
+    cache_scope!();
+}

@@ -2,14 +2,17 @@
 //! gpucache scope per step, and compares the step time with cudarc's default allocation.
 //!
 //! ```text
-//! cargo run --release --features cuda --example train_cuda [EPOCHS] [BATCHES_PER_EPOCH]
+//! cargo run --release --features cuda --example train_cuda [EPOCHS] [STEPS_PER_EPOCH]
 //! ```
 //!
-//! Every step allocates its activations and gradients (9 arrays). With gpucache they come from
-//! the `train_step` cache (all hits after the first step, `invalidate` between epochs); the
-//! baseline allocates the same buffers with cudarc's `CudaStream::alloc` (cuMemAllocAsync from
-//! the device's default pool, whose release threshold of 0 gives the memory back to the driver
-//! at every synchronisation). Same model, same kernels, same data, in one run.
+//! Every step allocates its activations and gradients (9 arrays, about 50 MiB). With gpucache
+//! they come from the `train_step` cache (all hits after the first step; `invalidate` between
+//! epochs gives the memory back); the baseline allocates the same buffers with cudarc's
+//! `CudaStream::alloc` (cuMemAllocAsync from the device's default pool, whose release threshold
+//! of 0 hands memory back to the driver at every synchronisation). Same model, kernels and data,
+//! epochs of the two runs interleaved, one synchronisation per step (as reading the loss would
+//! cost); step times are host wall-clock time from the step's start to that synchronisation.
+//! Device memory in use is read with cuMemGetInfo after synchronising.
 
 use std::error::Error;
 use std::sync::Arc;

@@ -163,6 +163,7 @@ fn kernels_write_cached_arrays_and_values_round_trip() -> TestResult {
     let stream = current(dev);
     let n = 10_000;
     let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let before = gpucache::device_stats(dev)?;
     for step in 0..3 {
         let _scope = enter("cuda-roundtrip");
         let x = Array::from_slice(dev, &host, [100, 100])?;
@@ -177,10 +178,13 @@ fn kernels_write_cached_arrays_and_values_round_trip() -> TestResult {
         assert_eq!(x.to_vec()?, host);
     }
     let s = stats("cuda-roundtrip");
+    let allocs = gpucache::device_stats(dev)?.allocs - before.allocs;
     if caching() {
         assert_eq!((s.misses, s.hits), (2, 4));
+        assert_eq!(allocs, 2, "the device saw the two misses only");
     } else {
         assert_eq!((s.misses, s.hits, s.bytes_cached), (0, 0, 0));
+        assert_eq!(allocs, 6, "every array allocated from the device");
     }
     Ok(())
 }

@@ -1,0 +1,85 @@
+//! Allocation on a CUDA GPU: a gpucache hit against cudarc's default allocation
+//! (`CudaStream::alloc`: `cuMemAllocAsync` from the device's default pool, freed with
+//! `cuMemFreeAsync` on drop), for 1 KiB and 64 MiB buffers.
+//!
+//! Run on a machine with a GPU: `cargo bench -p gpucache --features cuda --bench cuda_alloc`
+//! (without a GPU it prints a notice and measures nothing). Two variants each:
+//!
+//! * `*/alloc_drop`: allocate and drop, nothing else. The pool recycles cudarc's buffers too.
+//! * `*/alloc_drop_sync`: the same followed by a stream synchronisation, as a training step
+//!   ends: with the pool's default release threshold of 0, the synchronisation hands cudarc's
+//!   freed memory back to the driver, so its next allocation maps memory again. gpucache keeps
+//!   its buffer.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use gpucache::cuda::cudarc::driver::CudaStream;
+use gpucache::{Array, CacheConfig, Device, Reuse};
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+fn bench(c: &mut Criterion) {
+    let (dev, stream) = match gpu() {
+        Ok(found) => found,
+        Err(e) => {
+            eprintln!("notice: cuda_alloc measures nothing without a GPU: {e}");
+            return;
+        }
+    };
+    const SCOPE: &str = "bench_cuda_alloc";
+    gpucache::configure(
+        SCOPE,
+        CacheConfig {
+            reuse: Reuse::Immediate,
+            ..CacheConfig::default()
+        },
+    );
+    let _scope = gpucache::enter(SCOPE);
+    for (label, bytes) in [("1KiB", KIB), ("64MiB", 64 * MIB)] {
+        let n = bytes / size_of::<f32>();
+        let gpucache_alloc = || Array::<f32>::empty(dev, n).expect("allocation");
+        // SAFETY: the buffer is never read.
+        let cudarc_alloc = || unsafe { stream.alloc::<f32>(n) }.expect("allocation");
+        drop(gpucache_alloc()); // the miss that fills the cache
+        let before = gpucache::stats(SCOPE);
+        let mut group = c.benchmark_group(format!("cuda_alloc/{label}"));
+        group.warm_up_time(Duration::from_millis(500));
+        group.bench_function("gpucache/alloc_drop", |b| {
+            b.iter(|| black_box(gpucache_alloc()))
+        });
+        group.bench_function("cudarc/alloc_drop", |b| {
+            b.iter(|| black_box(cudarc_alloc()))
+        });
+        group.bench_function("gpucache/alloc_drop_sync", |b| {
+            b.iter(|| {
+                drop(black_box(gpucache_alloc()));
+                stream.synchronize().expect("synchronize");
+            })
+        });
+        group.bench_function("cudarc/alloc_drop_sync", |b| {
+            b.iter(|| {
+                drop(black_box(cudarc_alloc()));
+                stream.synchronize().expect("synchronize");
+            })
+        });
+        group.finish();
+        assert_eq!(
+            gpucache::stats(SCOPE).misses,
+            before.misses,
+            "the gpucache benchmark missed the cache"
+        );
+    }
+}
+
+/// CUDA device 0 and this thread's current stream on it.
+fn gpu() -> gpucache::Result<(Device, Arc<CudaStream>)> {
+    let dev = Device::cuda(0)?;
+    Ok((dev, gpucache::cuda::current_stream(dev)?))
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

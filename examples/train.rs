@@ -50,7 +50,7 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<()> {
-    let data = dataset(&mut Rng::new(DATA_SEED))?;
+    let data = dataset(&mut Rng::with_seed(DATA_SEED))?;
     println!(
         "MLP {INPUTS} -> {HIDDEN} (ReLU) -> {CLASSES}, softmax cross-entropy, SGD lr {LEARNING_RATE}; \
          {BATCHES} batches of {BATCH}, {EPOCHS} epochs\n"
@@ -128,7 +128,7 @@ impl RunReport {
 
 /// Trains a freshly initialised model on `data`, printing one line per epoch.
 fn train(mode: Mode, data: &[Batch]) -> Result<RunReport> {
-    let mut model = Mlp::new(&mut Rng::new(MODEL_SEED))?;
+    let mut model = Mlp::new(&mut Rng::with_seed(MODEL_SEED))?;
     let mut losses = Vec::with_capacity(EPOCHS);
     let mut before = gpucache::stats(SCOPE);
     if mode == Mode::Cached {
@@ -212,9 +212,9 @@ impl Mlp {
     /// He-initialised weights, zero biases.
     fn new(rng: &mut Rng) -> Result<Mlp> {
         Ok(Mlp {
-            w1: rng.uniform_array([INPUTS, HIDDEN], (6.0 / INPUTS as f32).sqrt())?,
+            w1: uniform_array(rng, [INPUTS, HIDDEN], (6.0 / INPUTS as f32).sqrt())?,
             b1: Array::zeros(DEV, HIDDEN)?,
-            w2: rng.uniform_array([HIDDEN, CLASSES], (6.0 / HIDDEN as f32).sqrt())?,
+            w2: uniform_array(rng, [HIDDEN, CLASSES], (6.0 / HIDDEN as f32).sqrt())?,
             b2: Array::zeros(DEV, CLASSES)?,
         })
     }
@@ -239,10 +239,10 @@ struct Batch {
 
 /// Uniform inputs labelled by a random linear teacher: `y = one_hot(argmax(x · teacher))`.
 fn dataset(rng: &mut Rng) -> Result<Vec<Batch>> {
-    let teacher = rng.uniform_array([INPUTS, CLASSES], 1.0)?;
+    let teacher = uniform_array(rng, [INPUTS, CLASSES], 1.0)?;
     (0..BATCHES)
         .map(|_| {
-            let x = rng.uniform_array([BATCH, INPUTS], 1.0)?;
+            let x = uniform_array(rng, [BATCH, INPUTS], 1.0)?;
             let scores = matmul(View::of(&x)?, View::of(&teacher)?)?;
             let mut y = Array::<f32>::zeros(DEV, [BATCH, CLASSES])?;
             for (y_row, s_row) in y
@@ -264,36 +264,16 @@ fn argmax(v: &[f32]) -> usize {
         .map_or(0, |(i, _)| i)
 }
 
-/// xorshift64*: a tiny deterministic generator, enough for synthetic data.
-struct Rng(u64);
+/// A seeded generator, for reproducible synthetic data and weights.
+type Rng = fastrand::Rng;
 
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.max(1))
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in `[-scale, scale)`.
-    fn uniform(&mut self, scale: f32) -> f32 {
-        // The top 24 bits give every f32 in [0, 1) a multiple of 2^-24 can be.
-        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        (2.0 * unit - 1.0) * scale
-    }
-
-    /// An array outside any scope, filled uniformly in `[-scale, scale)`.
-    fn uniform_array(&mut self, shape: [usize; 2], scale: f32) -> Result<Array<f32>> {
-        let mut a = Array::<f32>::empty(DEV, shape)?;
-        a.as_mut_slice()?
-            .iter_mut()
-            .for_each(|v| *v = self.uniform(scale));
-        Ok(a)
-    }
+/// An array outside any scope, filled uniformly in `[-scale, scale)`.
+fn uniform_array(rng: &mut Rng, shape: [usize; 2], scale: f32) -> Result<Array<f32>> {
+    let mut a = Array::<f32>::empty(DEV, shape)?;
+    a.as_mut_slice()?
+        .iter_mut()
+        .for_each(|v| *v = (rng.f32() * 2.0 - 1.0) * scale);
+    Ok(a)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -147,39 +147,24 @@ struct Mlp {
     b2: Array<f32>,
 }
 
-/// A small deterministic generator (SplitMix64), for reproducible data and weights.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-a, a).
-    fn uniform(&mut self, a: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
-    }
-    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(a)).collect()
-    }
+/// `n` numbers uniform in `[-a, a)` from a seeded generator (reproducible data and weights).
+fn uniform(rng: &mut fastrand::Rng, n: usize, a: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.f32() * 2.0 - 1.0) * a).collect()
 }
 
 impl Mlp {
     fn new(dev: Device, seed: u64) -> Result<Mlp> {
-        let mut rng = Rng(seed);
+        let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Mlp {
             w1: Array::from_slice(
                 dev,
-                &rng.vec(INPUT * HIDDEN, (6.0 / INPUT as f32).sqrt()),
+                &uniform(&mut rng, INPUT * HIDDEN, (6.0 / INPUT as f32).sqrt()),
                 [INPUT, HIDDEN],
             )?,
             b1: Array::zeros(dev, HIDDEN)?,
             w2: Array::from_slice(
                 dev,
-                &rng.vec(HIDDEN * OUTPUT, (3.0 / HIDDEN as f32).sqrt()),
+                &uniform(&mut rng, HIDDEN * OUTPUT, (3.0 / HIDDEN as f32).sqrt()),
                 [HIDDEN, OUTPUT],
             )?,
             b2: Array::zeros(dev, OUTPUT)?,
@@ -356,9 +341,9 @@ fn step<A: Allocator>(
 /// Checks `matmul`'s three operand layouts against the host on small matrices.
 fn check_matmul(dev: Device, blas: &CudaBlas) -> Result<()> {
     let (m, n, k) = (3, 5, 4);
-    let mut rng = Rng(7);
-    let a = rng.vec(m * k, 1.0); // m x k (or k x m when transposed)
-    let b = rng.vec(k * n, 1.0); // k x n (or n x k when transposed)
+    let mut rng = fastrand::Rng::with_seed(7);
+    let a = uniform(&mut rng, m * k, 1.0); // m x k (or k x m when transposed)
+    let b = uniform(&mut rng, k * n, 1.0); // k x n (or n x k when transposed)
     for (ta, tb) in [(false, false), (true, false), (false, true)] {
         let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
         let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
@@ -523,12 +508,12 @@ fn main() -> Result<()> {
     check_matmul(dev, &blas)?;
 
     // Data: random inputs and a fixed random teacher, y = tanh(x t), computed on the GPU.
-    let mut rng = Rng(1);
-    let teacher = rng.vec(INPUT * OUTPUT, (9.0 / INPUT as f32).sqrt());
+    let mut rng = fastrand::Rng::with_seed(1);
+    let teacher = uniform(&mut rng, INPUT * OUTPUT, (9.0 / INPUT as f32).sqrt());
     let teacher = Array::from_slice(dev, &teacher, [INPUT, OUTPUT])?;
     let data = (0..DATA_BATCHES.min(steps))
         .map(|_| {
-            let x = Array::from_slice(dev, &rng.vec(BATCH * INPUT, 1.0), [BATCH, INPUT])?;
+            let x = Array::from_slice(dev, &uniform(&mut rng, BATCH * INPUT, 1.0), [BATCH, INPUT])?;
             let mut y = Array::<f32>::empty(dev, [BATCH, OUTPUT])?;
             matmul(
                 &blas,

@@ -312,20 +312,20 @@ fn faults_under_concurrency_are_typed_and_leak_nothing() {
 /// larger than the device if it has a `limit`; returns the number of `OutOfMemory` errors.
 fn concurrent_worker(backend: &Arc<CountingBackend>, thread: u64, limit: Option<usize>) -> usize {
     let _installed = use_backend(backend);
-    let mut rng = Rng::new(thread + 100);
+    let mut rng = Rng::with_seed(thread + 100);
     let mut kept: Vec<(AnyArray, u64)> = Vec::new();
     let (mut errors, mut in_scope) = (0, 0);
     for step in 0..2000u64 {
         let scope = (step % 10 != 9).then(|| enter("concurrent"));
         for j in 0..3 {
             let id = thread << 40 | step << 2 | j;
-            let shape = [1 + rng.below(64)];
-            let dt = *rng.pick(&Dt::ALL);
+            let shape = [1 + rng.usize(..64)];
+            let dt = *common::pick(&mut rng, &Dt::ALL);
             match AnyArray::new(Device::Cpu, dt, shape, Init::Empty, id) {
                 Ok(array) => {
                     in_scope += u64::from(scope.is_some());
                     assert!(array.holds(id));
-                    if rng.below(4) == 0 {
+                    if rng.usize(..4) == 0 {
                         kept.push((array, id));
                     }
                 }
@@ -346,7 +346,7 @@ fn concurrent_worker(backend: &Arc<CountingBackend>, thread: u64, limit: Option<
         }
         drop(scope);
         if kept.len() > 8 {
-            let (array, id) = kept.remove(rng.below(kept.len()));
+            let (array, id) = kept.remove(rng.usize(..kept.len()));
             assert!(array.holds(id), "array {id:#x}");
         }
     }

@@ -121,7 +121,7 @@ impl Worker {
         });
         Worker {
             thread,
-            rng: Rng::new(thread as u64 + 1),
+            rng: Rng::with_seed(thread as u64 + 1),
             next,
             inbox,
             scopes: Vec::new(),
@@ -179,7 +179,7 @@ impl Worker {
                 Ok((array, id)) => {
                     check(&array, id, "received");
                     self.totals.received += 1;
-                    if self.rng.below(4) != 0 {
+                    if self.rng.usize(..4) != 0 {
                         self.live.push((array, id));
                     }
                 }
@@ -189,7 +189,7 @@ impl Worker {
     }
 
     fn step(&mut self) {
-        let roll = self.rng.below(10_000);
+        let roll = self.rng.usize(..10_000);
         if self.live.len() >= MAX_LIVE || (3500..6000).contains(&roll) {
             self.drop_one();
         } else if roll < 3500 {
@@ -198,13 +198,13 @@ impl Worker {
             self.send_one();
         } else if roll < 8450 {
             if self.scopes.len() < MAX_DEPTH {
-                let name = self.rng.below(NAMES.len());
+                let name = self.rng.usize(..NAMES.len());
                 self.scopes.push((name, gpucache::enter(NAMES[name])));
             }
         } else if roll < 9900 {
             self.scopes.pop();
         } else if roll < 9920 {
-            gpucache::invalidate(NAMES[self.rng.below(NAMES.len())]);
+            gpucache::invalidate(NAMES[self.rng.usize(..NAMES.len())]);
             self.totals.invalidations += 1;
         } else if roll < 9922 {
             gpucache::empty_cache();
@@ -217,9 +217,9 @@ impl Worker {
     }
 
     fn allocate(&mut self) {
-        let dt = *self.rng.pick(&Dt::ALL);
-        let shape = *self.rng.pick(SHAPES);
-        let init = *self.rng.pick(&Init::ALL);
+        let dt = *common::pick(&mut self.rng, &Dt::ALL);
+        let shape = *common::pick(&mut self.rng, SHAPES);
+        let init = *common::pick(&mut self.rng, &Init::ALL);
         let id = self.next_id;
         self.next_id += 1;
         let array = AnyArray::new(Device::Cpu, dt, shape, init, id)
@@ -240,7 +240,7 @@ impl Worker {
         if self.live.is_empty() {
             return None;
         }
-        let i = self.rng.below(self.live.len());
+        let i = self.rng.usize(..self.live.len());
         Some(self.live.swap_remove(i))
     }
 

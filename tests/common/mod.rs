@@ -79,30 +79,12 @@ pub fn configure(name: &str, set: impl FnOnce(&mut CacheConfig)) {
     gpucache::configure(name, config);
 }
 
-/// xorshift64*: a tiny deterministic generator for the stress and fault tests.
-pub struct Rng(u64);
+/// A seeded generator for the stress and fault tests.
+pub type Rng = fastrand::Rng;
 
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
-    }
-
-    /// One of `items`, uniformly.
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
+/// One of `items`, uniformly.
+pub fn pick<'a, T>(rng: &mut Rng, items: &'a [T]) -> &'a T {
+    &items[rng.usize(..items.len())]
 }
 
 /// A number from the environment variable `var`, or `default` when it is unset.

@@ -116,7 +116,16 @@
 //! * [`Element`] is sealed: buffers are shared between element types under
 //!   [`KeyPolicy::SizeClass`], which is sound only for plain types.
 //! * Host memory is always initialised (new buffers are zeroed), so [`Array::empty`] is never
-//!   undefined behaviour to read.
+//!   undefined behaviour to read. Host buffers of 1 MiB and more are `mmap`ed directly, so they
+//!   are zeroed lazily by the kernel.
+//! * [`invalidate`] empties the free lists but keeps the cache's table of keys (a few dozen
+//!   bytes per distinct key), so that the buffers of arrays still alive always know their free
+//!   list. A thread's cache names likewise live as long as the thread.
+//! * `hits` and `misses` count allocations that succeeded; a failed allocation counts in
+//!   neither.
+//! * Beyond the contract's API: [`current_scope`] (the innermost scope's name),
+//!   [`device_stats`] (what a device's backend allocated and freed, cached or not) and the
+//!   [`testing`] module.
 //!
 //! ## CUDA (feature `cuda`)
 //!

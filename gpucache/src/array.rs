@@ -48,6 +48,15 @@ enum Init {
     Overwritten,
 }
 
+impl Init {
+    /// Whether a recycled buffer must be zeroed: when asked, or when its old bytes may not be
+    /// valid for `T`.
+    #[inline]
+    fn zero_recycled<T: Element>(self) -> bool {
+        self == Init::Zeroed || (self == Init::Any && !T::ANY_BIT_PATTERN)
+    }
+}
+
 impl<T: Element> Array<T> {
     /// An array of `shape` on `device`, every element zero.
     ///
@@ -96,7 +105,6 @@ impl<T: Element> Array<T> {
     #[inline]
     fn alloc(device: Device, shape: Shape, init: Init) -> Result<Self> {
         let bytes = shape.byte_len(T::DTYPE)?;
-        let zero = init == Init::Zeroed || (init == Init::Any && !T::ANY_BIT_PATTERN);
         if bytes != 0 {
             let req = Request {
                 dtype: T::DTYPE,
@@ -105,6 +113,7 @@ impl<T: Element> Array<T> {
                 bytes,
             };
             if let Some((block, home)) = scope::with_current(|c| c.and_then(|c| c.hit(&req))) {
+                let zero = init.zero_recycled::<T>();
                 return Self::recycled(block, home, shape, device, bytes, zero);
             }
         }
@@ -114,9 +123,8 @@ impl<T: Element> Array<T> {
     /// The allocation when the hit path found nothing.
     #[inline(never)]
     fn alloc_slow(device: Device, shape: Shape, bytes: usize, init: Init) -> Result<Self> {
-        // A recycled buffer is zeroed when asked (or when its old bytes may not be valid for
-        // `T`); a new one is zeroed unless it is about to be overwritten.
-        let zero = init == Init::Zeroed || (init == Init::Any && !T::ANY_BIT_PATTERN);
+        let zero = init.zero_recycled::<T>();
+        // A new buffer is zeroed unless it is about to be overwritten.
         let zero_new = init != Init::Overwritten;
         if bytes == 0 {
             backend::check_device(device)?;

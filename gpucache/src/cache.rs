@@ -479,9 +479,7 @@ impl CacheCell {
             // SAFETY: depth is 1, so this thread holds the lock, and no other borrow of `inner`
             // is alive: scope exits do not nest inside cache operations.
             let inner = unsafe { &mut *self.inner.get() };
-            if self.remote.returned.load(Acquire) {
-                self.drain_returned(inner, false);
-            }
+            self.drain_returned(inner, false);
             inner.settle(&self.stats);
         }
         self.depth.store(0, Relaxed);
@@ -508,9 +506,7 @@ impl CacheCell {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: as in `hit`.
         let inner = unsafe { &mut *self.inner.get() };
-        if self.remote.returned.load(Acquire) {
-            self.drain_returned(inner, true);
-        }
+        self.drain_returned(inner, true);
         inner.poll_deferred(&self.stats);
         match inner.slot_of(req) {
             None => Take::Bypass,
@@ -544,7 +540,11 @@ impl CacheCell {
     }
 
     /// Takes in the buffers other threads returned.
+    /// Cheap when there are none: the mutex is taken only when the `returned` hint is set.
     fn drain_returned(&self, inner: &mut Inner, active: bool) {
+        if !self.remote.returned.load(Acquire) {
+            return;
+        }
         let returned = {
             let mut remote = self.remote.state.lock();
             self.remote.returned.store(false, Relaxed);

@@ -9,13 +9,19 @@
 //! therefore works on `Inner` directly, with no atomic read-modify-write and nothing another
 //! thread contends for. Outside a scope the owner takes the lock for each operation.
 //!
-//! Other threads touch a cache in two ways only:
+//! Other threads touch a cache in three ways only:
 //! * Dropping an array whose buffer came from it: the buffer goes into the cache's `remote`
-//!   queue (its own mutex, on its own cache lines), which the owner drains when it misses, when a
-//!   scope exits and when it reads its stats. The owner's hits never look at the queue.
-//! * Releasing free buffers (`empty_cache`, out-of-memory recovery): they `try_lock`. If the
-//!   owner is inside a scope of the cache they leave a request that the owner honours when the
-//!   scope exits (a Dekker handshake on `flush_requested` and the lock, with SeqCst fences).
+//!   queue (its own mutex, on its own cache lines). The owner takes the queue in when a scope of
+//!   the cache is entered (those buffers are free for the step), when it misses (they become
+//!   free when the scope exits), when a scope exits and when it reads its stats. The owner's
+//!   hits never look at the queue.
+//! * Giving the queue back to the device ([`CacheCell::free_returned`]: `empty_cache`,
+//!   `invalidate` and out-of-memory recovery). The queue is not the scope's state, so any thread
+//!   may do this at any time; the bytes it freed are accounted by the next holder of the lock.
+//! * Requests (`empty_cache`, `invalidate`, `configure`, out-of-memory recovery): they are left
+//!   in the remote state and served by whichever thread holds the lock next, at once if it is
+//!   free (see [`CacheCell::request`]): a Dekker handshake on `requested` and the lock, with
+//!   SeqCst fences, so that a request is never missed and nobody blocks on a busy cache.
 //!
 //! # Lifetime
 //!
@@ -39,7 +45,7 @@ use parking_lot::{Mutex, RawMutex};
 
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy, Reuse};
-use crate::stats::{CacheStats, Counters, add, sub};
+use crate::stats::{CacheStats, Counters, DeviceBytes, add, sub};
 use crate::{DType, Device, Shape};
 
 /// A number naming a thread, unique for the life of the process (never reused).
@@ -255,6 +261,8 @@ struct Free {
 /// The free list of one key.
 struct Slot {
     device: Device,
+    /// The device's gauge in the cache's counters.
+    gauge: u8,
     /// Oldest first; hits take the newest.
     free: Vec<Free>,
 }
@@ -266,11 +274,26 @@ struct Returned {
     generation: u32,
 }
 
+/// What other threads asked of the cache, for the next holder of its lock.
+#[derive(Default)]
+pub(crate) struct Requests {
+    /// New options (`configure`).
+    pub(crate) config: Option<CacheConfig>,
+    /// Invalidate the cache.
+    pub(crate) invalidate: bool,
+    /// Free the free lists of these devices (`None`: every device).
+    pub(crate) flush: Vec<Option<Device>>,
+}
+
 /// The part of a cache that other threads write.
 #[derive(Default)]
 struct Remote {
     /// Buffers dropped on other threads while the cell was open.
     queue: Vec<Returned>,
+    /// Buffers of the queue that a thread gave back to the device and the lock holder has not
+    /// accounted yet: (gauge, bytes).
+    released: Vec<(u8, usize)>,
+    requests: Requests,
     /// Set once, by the owner, when its thread exits.
     closed: bool,
     /// After `closed`: blocks still owned by arrays.
@@ -284,10 +307,10 @@ struct Remote {
 #[derive(Default)]
 struct RemoteSide {
     state: Mutex<Remote>,
-    /// `state.queue` is not empty (a hint, read without the mutex).
+    /// `state.queue` or `state.released` is not empty (a hint, read without the mutex).
     returned: AtomicBool,
-    /// Another thread asked for the free lists to be released while the owner held the lock.
-    flush_requested: AtomicBool,
+    /// `state.requests` may hold a request (read without the mutex; SeqCst, see `unlock`).
+    requested: AtomicBool,
 }
 
 /// The state of a cache, behind the cell's lock.
@@ -305,8 +328,8 @@ struct Inner {
     /// Free buffers, least recently freed first, as (stamp, slot); kept only with a byte cap.
     /// Entries whose buffer has left the free list are skipped when met.
     lru: VecDeque<(u64, u32)>,
-    /// Stamps buffers as they are freed, while there is a byte cap (0 otherwise: a cap set
-    /// later treats everything already free as equally old).
+    /// Stamps buffers as they are freed (with or without a cap, so that a cap set later evicts
+    /// the least recently freed first).
     clock: u64,
     /// Rebuild `lru` when it grows past this (it holds stale entries for buffers since taken).
     lru_limit: usize,
@@ -334,7 +357,7 @@ pub(crate) struct CacheCell {
 // are atomics; the rest is immutable or behind its own mutex.
 unsafe impl Sync for CacheCell {}
 
-/// Holds a cell's lock; releasing it honours flush requests left meanwhile.
+/// Holds a cell's lock; releasing it serves the requests left meanwhile.
 struct Held<'a>(&'a CacheCell);
 
 impl Held<'_> {
@@ -352,8 +375,8 @@ impl Drop for Held<'_> {
 }
 
 impl CacheCell {
-    /// A new, empty cache owned by the calling thread.
-    pub(crate) fn new(name: &str, thread_name: &str) -> CacheCell {
+    /// A new, empty cache with `config`, owned by the calling thread.
+    pub(crate) fn new(name: &str, thread_name: &str, config: CacheConfig) -> CacheCell {
         CacheCell {
             name: name.into(),
             thread_name: thread_name.into(),
@@ -362,7 +385,7 @@ impl CacheCell {
             depth: AtomicU32::new(0),
             closed: AtomicBool::new(false),
             inner: UnsafeCell::new(Inner {
-                config: CacheConfig::default(),
+                config,
                 generation: 0,
                 keys: HashTable::new(),
                 slots: Vec::new(),
@@ -383,9 +406,14 @@ impl CacheCell {
         &self.name
     }
 
-    /// The name of the owner thread, as `summary` prints it.
+    /// The name of the owner thread.
     pub(crate) fn thread_name(&self) -> &str {
         &self.thread_name
+    }
+
+    /// The number of the owner thread (its [`ThreadToken`]).
+    pub(crate) fn thread_number(&self) -> ThreadToken {
+        self.owner
     }
 
     /// Whether the calling thread owns this cache.
@@ -393,9 +421,40 @@ impl CacheCell {
         self.owner == thread_token()
     }
 
-    /// The counters, read without synchronisation (exact when read by the owner).
+    /// The counters, read without stopping the owner (exact when read by the lock holder).
+    /// Buffers another thread gave back to the device count as freed at once.
     pub(crate) fn snapshot(&self) -> CacheStats {
-        self.stats.snapshot()
+        let mut stats = self.stats.snapshot();
+        let remote = self.remote.state.lock();
+        for &(_, bytes) in &remote.released {
+            stats.device_frees += 1;
+            stats.bytes_in_use = stats.bytes_in_use.saturating_sub(bytes);
+        }
+        stats
+    }
+
+    /// The bytes the cache holds on each device it has used, read as [`CacheCell::snapshot`]
+    /// reads its counters; `waiting` includes buffers other threads returned.
+    pub(crate) fn device_bytes(&self) -> Vec<(Device, DeviceBytes)> {
+        let mut devices: Vec<_> = self.stats.device_bytes().collect();
+        let remote = self.remote.state.lock();
+        fn on(devices: &mut [(Device, DeviceBytes)], device: Device) -> Option<&mut DeviceBytes> {
+            devices
+                .iter_mut()
+                .find(|(d, _)| *d == device)
+                .map(|(_, b)| b)
+        }
+        for &(g, bytes) in &remote.released {
+            if let Some(b) = on(&mut devices, self.stats.gauge_device(g)) {
+                b.held = b.held.saturating_sub(bytes);
+            }
+        }
+        for r in &remote.queue {
+            if let Some(b) = on(&mut devices, r.block.device()) {
+                b.waiting += r.block.bytes();
+            }
+        }
+        devices
     }
 
     /// Whether the owner thread has exited (or is exiting) and closed the cache.
@@ -409,27 +468,66 @@ impl CacheCell {
         self.depth.load(Relaxed) > 0
     }
 
-    /// Unlocks, then serves any flush request left while the lock was held.
+    /// The cache state, for the thread that holds the lock.
     ///
     /// # Safety
-    /// The calling thread holds `lock`.
+    /// The calling thread holds `lock`, and no other reference to the state is alive: cache
+    /// operations do not nest, and each takes this reference once.
+    #[allow(clippy::mut_from_ref)] // the lock, not the borrow, makes it unique
+    #[inline(always)]
+    unsafe fn locked(&self) -> &mut Inner {
+        // SAFETY: the caller holds the lock and no other reference exists (see above).
+        unsafe { &mut *self.inner.get() }
+    }
+
+    /// Serves the requests other threads left, then unlocks; serves those left meanwhile.
+    ///
+    /// # Safety
+    /// The calling thread holds `lock`, and no reference to the state is alive.
     unsafe fn unlock(&self) {
         loop {
-            // SAFETY: the caller holds the lock (first iteration) or we re-took it below.
+            if self.remote.requested.load(SeqCst) {
+                // SAFETY: we hold the lock (the caller's, or re-taken below).
+                self.serve_requests(unsafe { self.locked() });
+            }
+            // SAFETY: as above.
             unsafe { self.lock.unlock() };
-            // Pairs with the fence in `flush_from_other_thread`: either that thread's `try_lock`
-            // sees the lock free, or we see its request here.
+            // Pairs with the fence in `request`: either the requester's `try_lock` sees the lock
+            // free, or we see its request here. If another thread holds the lock again, it
+            // serves the request when it unlocks.
             fence(SeqCst);
-            if !self.remote.flush_requested.load(Relaxed) {
+            if !self.remote.requested.load(SeqCst) || !self.lock.try_lock() {
                 return;
             }
-            self.lock.lock();
-            if self.remote.flush_requested.swap(false, Relaxed) {
-                // SAFETY: we hold the lock again.
-                let inner = unsafe { &mut *self.inner.get() };
-                inner.flush(&self.stats, None);
-            }
         }
+    }
+
+    /// Carries out what other threads asked for (lock holder).
+    fn serve_requests(&self, inner: &mut Inner) {
+        self.remote.requested.store(false, SeqCst);
+        let requests = mem::take(&mut self.remote.state.lock().requests);
+        self.drain_returned(inner, false);
+        if let Some(config) = requests.config {
+            inner.configure(&self.stats, config);
+        }
+        if requests.invalidate {
+            inner.invalidate(&self.stats);
+        }
+        for device in requests.flush {
+            inner.give_back(&self.stats, device, false);
+        }
+    }
+
+    /// Leaves a request for the holder of the lock, from a thread other than the owner. It is
+    /// served at once if the lock is free (by this thread), else when the holder unlocks: the
+    /// owner when its scope exits. Returns whether it was served at once.
+    pub(crate) fn request(&self, add: impl FnOnce(&mut Requests)) -> bool {
+        add(&mut self.remote.state.lock().requests);
+        self.remote.requested.store(true, SeqCst);
+        // Pairs with the fence in `unlock`.
+        fence(SeqCst);
+        // Dropping the `Held` serves the request.
+        self.try_hold().is_some()
     }
 
     fn hold(&self) -> Held<'_> {
@@ -446,27 +544,31 @@ impl CacheCell {
         debug_assert!(self.is_owned_here());
         if self.is_active() {
             // SAFETY: the owner holds the lock for as long as a scope of this cache is active,
-            // and no other `&mut Inner` exists: the owner's operations do not nest.
-            f(unsafe { &mut *self.inner.get() }, &self.stats)
+            // and the owner's operations do not nest.
+            f(unsafe { self.locked() }, &self.stats)
         } else {
             let mut held = self.hold();
             f(held.inner(), &self.stats)
         }
     }
 
-    /// Enters a scope of this cache on the owner thread.
+    /// Enters a scope of this cache on the owner thread. The outermost entry takes the lock and
+    /// the buffers other threads returned meanwhile: they were dropped while the cache was not
+    /// in a scope, so they are free for this step.
     pub(crate) fn enter(&self) {
         debug_assert!(self.is_owned_here());
         let depth = self.depth.load(Relaxed);
         if depth == 0 {
             self.lock.lock();
+            // SAFETY: we just took the lock, and no scope (hence no cache operation) is active.
+            self.drain_returned(unsafe { self.locked() }, false);
         }
         self.depth.store(depth + 1, Relaxed);
     }
 
     /// Exits a scope entered with [`CacheCell::enter`]. The outermost exit frees the buffers
     /// dropped during the scope (under `Reuse::OnExit`) and takes in those returned by other
-    /// threads, then gives the lock up.
+    /// threads, then gives the lock up, serving what other threads asked meanwhile.
     pub(crate) fn exit(&self) {
         debug_assert!(self.is_owned_here());
         let depth = self.depth.load(Relaxed);
@@ -476,14 +578,14 @@ impl CacheCell {
             return;
         }
         {
-            // SAFETY: depth is 1, so this thread holds the lock, and no other borrow of `inner`
-            // is alive: scope exits do not nest inside cache operations.
-            let inner = unsafe { &mut *self.inner.get() };
+            // SAFETY: depth is 1, so this thread holds the lock, and scope exits do not nest
+            // inside cache operations.
+            let inner = unsafe { self.locked() };
             self.drain_returned(inner, false);
             inner.settle(&self.stats);
         }
         self.depth.store(0, Relaxed);
-        // SAFETY: the lock was taken by the outermost `enter`.
+        // SAFETY: the lock was taken by the outermost `enter`; the borrow above has ended.
         unsafe { self.unlock() };
     }
 
@@ -492,9 +594,9 @@ impl CacheCell {
     #[inline]
     pub(crate) fn hit(&self, req: &Request<'_>) -> Option<(Block, Home)> {
         debug_assert!(self.is_owned_here() && self.is_active());
-        // SAFETY: the cell is active on its owner thread, which therefore holds the lock, and no
-        // other borrow of `inner` is alive (cache operations do not nest).
-        let inner = unsafe { &mut *self.inner.get() };
+        // SAFETY: the cell is active on its owner thread, which therefore holds the lock, and
+        // cache operations do not nest.
+        let inner = unsafe { self.locked() };
         let slot = inner.find(inner.key(req))?;
         let block = inner.pop(&self.stats, slot)?;
         Some((block, self.home(slot, inner.generation)))
@@ -505,10 +607,10 @@ impl CacheCell {
     pub(crate) fn take(&self, req: &Request<'_>) -> Take {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: as in `hit`.
-        let inner = unsafe { &mut *self.inner.get() };
+        let inner = unsafe { self.locked() };
         self.drain_returned(inner, true);
         inner.poll_deferred(&self.stats);
-        match inner.slot_of(req) {
+        match inner.slot_of(&self.stats, req) {
             None => Take::Bypass,
             Some(slot) => match inner.pop(&self.stats, slot) {
                 Some(block) => Take::Hit(block, self.home(slot, inner.generation)),
@@ -522,10 +624,10 @@ impl CacheCell {
     /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`].
     pub(crate) fn adopt(&self, req: &Request<'_>, block: &Block) -> Option<Home> {
         self.owned(|inner, st| {
-            let slot = inner.slot_of(req)?;
+            let slot = inner.slot_of(st, req)?;
             inner.live += 1;
             add(&st.misses, 1);
-            st.allocated(block.bytes());
+            st.allocated(inner.slots[slot as usize].gauge, block.bytes());
             Some(self.home(slot, inner.generation))
         })
     }
@@ -539,44 +641,69 @@ impl CacheCell {
         }
     }
 
-    /// Takes in the buffers other threads returned.
-    /// Cheap when there are none: the mutex is taken only when the `returned` hint is set.
+    /// Takes in the buffers other threads returned (lock holder), and accounts those another
+    /// thread gave back to the device. Cheap when there are none: the mutex is taken only when
+    /// the `returned` hint is set.
     fn drain_returned(&self, inner: &mut Inner, active: bool) {
         if !self.remote.returned.load(Acquire) {
             return;
         }
-        let returned = {
+        let (returned, released) = {
             let mut remote = self.remote.state.lock();
             self.remote.returned.store(false, Relaxed);
-            mem::take(&mut remote.queue)
+            (
+                mem::take(&mut remote.queue),
+                mem::take(&mut remote.released),
+            )
         };
+        for (g, bytes) in released {
+            inner.live -= 1;
+            self.stats.freed(g, bytes);
+        }
         for r in returned {
             inner.release(&self.stats, active, r.slot, r.generation, r.block);
         }
     }
 
-    /// Frees this cache's free buffers (on `device`, or all), from the owner thread.
-    pub(crate) fn flush_owned(&self, device: Option<Device>) {
-        self.owned(|inner, st| inner.flush(st, device));
+    /// Gives the buffers other threads returned to this cache (on `device`, or all) back to the
+    /// device, from any thread, whatever the owner is doing: they belong to no array and to no
+    /// scope. The next holder of the lock accounts them.
+    pub(crate) fn free_returned(&self, device: Option<Device>) {
+        let freed: Vec<Block> = {
+            let mut remote = self.remote.state.lock();
+            let (freed, kept) = mem::take(&mut remote.queue)
+                .into_iter()
+                .partition(|r| device.is_none_or(|d| d == r.block.device()));
+            remote.queue = kept;
+            let freed: Vec<Block> = freed.into_iter().map(|r: Returned| r.block).collect();
+            for block in &freed {
+                // Every returned block has a slot, hence a gauge for its device.
+                if let Some(g) = self.stats.find_gauge(block.device()) {
+                    remote.released.push((g, block.bytes()));
+                }
+            }
+            freed
+        };
+        if !freed.is_empty() {
+            // The lock holder accounts them when it next takes the queue in.
+            self.remote.returned.store(true, Release);
+        }
+        // Freed outside the mutex: a device free may wait for the device.
+        drop(freed);
     }
 
-    /// Frees this cache's free buffers (on `device`, or all) from a thread other than the owner.
-    /// Returns `false` when the owner is inside a scope of the cache: then it frees them (all
-    /// devices) when that scope exits.
-    pub(crate) fn flush_from_other_thread(&self, device: Option<Device>) -> bool {
-        if let Some(mut held) = self.try_hold() {
-            held.inner().flush(&self.stats, device);
-            return true;
-        }
-        self.remote.flush_requested.store(true, Relaxed);
-        // Pairs with the fence in `unlock`.
-        fence(SeqCst);
-        // Dropping the `Held` serves the request.
-        self.try_hold().is_some()
+    /// Frees this cache's free lists (on `device`, or all) from the owner thread; with
+    /// `pending`, also the buffers dropped inside the active scope and not yet free (what
+    /// out-of-memory recovery may take back from its own thread).
+    pub(crate) fn give_back_owned(&self, device: Option<Device>, pending: bool) {
+        self.owned(|inner, st| {
+            self.drain_returned(inner, self.is_active());
+            inner.give_back(st, device, pending);
+        });
     }
 
     /// Frees the free lists and the buffers waiting for the scope to exit, and starts a new
-    /// generation: buffers of live arrays are freed, not cached, when they drop.
+    /// generation: buffers of live arrays are freed, not cached, when they drop (owner thread).
     pub(crate) fn invalidate(&self) {
         self.owned(|inner, st| {
             self.drain_returned(inner, false);
@@ -586,14 +713,12 @@ impl CacheCell {
 
     /// Applies `config` (owner thread). Changing the key policy invalidates the cache.
     pub(crate) fn configure(&self, config: CacheConfig) {
-        self.owned(|inner, st| {
-            if config.key != inner.config.key {
-                inner.invalidate(st);
-            }
-            inner.config = config;
-            inner.rebuild_lru();
-            inner.evict(st);
-        });
+        self.owned(|inner, st| inner.configure(st, config));
+    }
+
+    /// Restarts the peak from the bytes held now (any thread).
+    pub(crate) fn reset_peak(&self) {
+        self.stats.reset_peak();
     }
 
     /// The counters after taking in buffers returned by other threads (owner thread).
@@ -608,11 +733,16 @@ impl CacheCell {
     pub(crate) fn close(self: &Arc<Self>) {
         self.owned(|inner, st| {
             inner.flush(st, None);
-            inner.free_pending(st);
+            inner.free_waiting(st, None);
             let mut remote = self.remote.state.lock();
+            for (g, bytes) in remote.released.drain(..) {
+                inner.live -= 1;
+                st.freed(g, bytes);
+            }
             for r in remote.queue.drain(..) {
                 inner.live -= 1;
-                inner.free(st, r.block);
+                let g = inner.slots[r.slot as usize].gauge;
+                inner.free(st, g, r.block);
             }
             remote.closed = true;
             remote.orphans = inner.live;
@@ -634,9 +764,8 @@ pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
     let cell = unsafe { home.cell.as_ref() };
     if ptr::eq(current, cell) && !cell.is_closed() {
         // SAFETY: the thread's current cache is owned by this thread and active (it is on the
-        // thread's scope stack), so this thread holds its lock; no other borrow of `inner` is
-        // alive, since cache operations do not nest.
-        let inner = unsafe { &mut *cell.inner.get() };
+        // thread's scope stack), so this thread holds its lock; cache operations do not nest.
+        let inner = unsafe { cell.locked() };
         inner.release(&cell.stats, true, home.slot, home.generation, block);
     } else if cell.is_owned_here() && !cell.is_closed() {
         let active = cell.is_active();
@@ -702,15 +831,18 @@ impl Inner {
             .map(|e| e.slot)
     }
 
-    /// The free list for `req`, created if new (`None` once there are 2^32 of them).
-    fn slot_of(&mut self, req: &Request<'_>) -> Option<u32> {
+    /// The free list for `req`, created if new (`None` once there are 2^32 of them, or when the
+    /// cache already tracks its most devices).
+    fn slot_of(&mut self, st: &Counters, req: &Request<'_>) -> Option<u32> {
         let key = self.key(req);
         if let Some(slot) = self.find(key) {
             return Some(slot);
         }
         let slot = u32::try_from(self.slots.len()).ok()?;
+        let gauge = st.gauge_for(req.device)?;
         self.slots.push(Slot {
             device: req.device,
+            gauge,
             free: Vec::new(),
         });
         let entry = Entry {
@@ -722,13 +854,20 @@ impl Inner {
         Some(slot)
     }
 
+    /// The gauge of `slot`'s device.
+    #[inline(always)]
+    fn gauge(&self, slot: u32) -> u8 {
+        self.slots[slot as usize].gauge
+    }
+
     /// Pops the most recently freed buffer of `slot` (a hit).
     #[inline]
     fn pop(&mut self, st: &Counters, slot: u32) -> Option<Block> {
-        let Free { block, .. } = self.slots[slot as usize].free.pop()?;
+        let list = &mut self.slots[slot as usize];
+        let Free { block, .. } = list.free.pop()?;
         self.live += 1;
         add(&st.hits, 1);
-        sub(&st.bytes_cached, block.bytes());
+        sub(&st.gauge(list.gauge).cached, block.bytes());
         Some(block)
     }
 
@@ -736,11 +875,14 @@ impl Inner {
     #[inline(always)]
     fn release(&mut self, st: &Counters, active: bool, slot: u32, generation: u32, block: Block) {
         self.live -= 1;
+        let g = self.gauge(slot);
         if generation != self.generation {
-            self.free(st, block);
+            self.free(st, g, block);
         } else if active && self.config.reuse == Reuse::OnExit {
+            add(&st.gauge(g).waiting, block.bytes());
             self.pending.push((slot, block));
         } else if !block.is_idle() {
+            add(&st.gauge(g).waiting, block.bytes());
             self.deferred.push((slot, block));
         } else {
             self.push_free(st, slot, block);
@@ -757,30 +899,25 @@ impl Inner {
             .partition(|(_, b)| b.is_idle());
         self.deferred = busy;
         for (slot, block) in idle {
+            sub(&st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.push_free(st, slot, block);
         }
     }
 
     #[inline(always)]
     fn push_free(&mut self, st: &Counters, slot: u32, block: Block) {
-        add(&st.bytes_cached, block.bytes());
-        if self.config.max_cached_bytes.is_none() {
-            // Stamped without a cap too, so that a cap set later evicts in LRU order.
-            self.clock += 1;
-            let stamp = self.clock;
-            self.slots[slot as usize].free.push(Free { block, stamp });
-        } else {
-            self.push_free_capped(st, slot, block);
-        }
-    }
-
-    /// `push_free` under a byte cap: stamps the buffer, records it in the LRU order and evicts
-    /// down to the cap.
-    #[cold]
-    fn push_free_capped(&mut self, st: &Counters, slot: u32, block: Block) {
+        add(&st.gauge(self.gauge(slot)).cached, block.bytes());
         self.clock += 1;
         let stamp = self.clock;
         self.slots[slot as usize].free.push(Free { block, stamp });
+        if self.config.max_cached_bytes.is_some() {
+            self.note_free_capped(st, stamp, slot);
+        }
+    }
+
+    /// Under a byte cap: records a freed buffer in the LRU order and evicts down to the cap.
+    #[cold]
+    fn note_free_capped(&mut self, st: &Counters, stamp: u64, slot: u32) {
         self.lru.push_back((stamp, slot));
         if self.lru.len() > self.lru_limit {
             self.rebuild_lru();
@@ -788,9 +925,9 @@ impl Inner {
         self.evict(st);
     }
 
-    /// Gives a block back to the device.
-    fn free(&mut self, st: &Counters, block: Block) {
-        st.freed(block.bytes());
+    /// Gives a block of gauge `g` back to the device.
+    fn free(&mut self, st: &Counters, g: u8, block: Block) {
+        st.freed(g, block.bytes());
         drop(block);
     }
 
@@ -800,6 +937,7 @@ impl Inner {
         let mut pending = mem::take(&mut self.pending);
         for (slot, block) in pending.drain(..) {
             if block.is_idle() {
+                sub(&st.gauge(self.gauge(slot)).waiting, block.bytes());
                 self.push_free(st, slot, block);
             } else {
                 self.deferred.push((slot, block));
@@ -810,38 +948,72 @@ impl Inner {
         self.poll_deferred(st);
     }
 
-    /// Frees the buffers dropped during an active scope and those deferred (freeing waits for
-    /// their device work, as the backend's free does).
-    fn free_pending(&mut self, st: &Counters) {
-        let pending = mem::take(&mut self.pending);
-        let deferred = mem::take(&mut self.deferred);
-        for (_, block) in pending.into_iter().chain(deferred) {
-            self.free(st, block);
+    /// Frees the buffers (on `device`, or all) dropped during an active scope and those
+    /// deferred (freeing waits for their device work, as the backend's free does).
+    fn free_waiting(&mut self, st: &Counters, device: Option<Device>) {
+        let on =
+            |slots: &[Slot], slot: u32| device.is_none_or(|d| d == slots[slot as usize].device);
+        let mut freed = Vec::new();
+        for list in [&mut self.pending, &mut self.deferred] {
+            let (take, keep) = mem::take(list)
+                .into_iter()
+                .partition(|&(slot, _)| on(&self.slots, slot));
+            *list = keep;
+            freed.extend::<Vec<_>>(take);
+        }
+        for (slot, block) in freed {
+            let g = self.gauge(slot);
+            sub(&st.gauge(g).waiting, block.bytes());
+            self.free(st, g, block);
         }
     }
 
     /// Frees the free lists (of `device`, or all).
     fn flush(&mut self, st: &Counters, device: Option<Device>) {
         let mut freed = Vec::new();
-        for slot in &mut self.slots {
-            if device.is_none_or(|d| d == slot.device) {
-                freed.append(&mut slot.free);
+        for list in &mut self.slots {
+            if device.is_none_or(|d| d == list.device) {
+                freed.extend(list.free.drain(..).map(|f| (list.gauge, f.block)));
             }
         }
-        for Free { block, .. } in freed {
-            sub(&st.bytes_cached, block.bytes());
-            self.free(st, block);
+        for (g, block) in freed {
+            sub(&st.gauge(g).cached, block.bytes());
+            self.free(st, g, block);
         }
+    }
+
+    /// Frees what the cache holds on `device` (or all devices) that no array owns and no scope
+    /// needs: the free lists, the deferred buffers and, with `pending`, the buffers dropped
+    /// inside the active scope.
+    fn give_back(&mut self, st: &Counters, device: Option<Device>, pending: bool) {
+        self.flush(st, device);
+        let kept = if pending {
+            Vec::new()
+        } else {
+            mem::take(&mut self.pending)
+        };
+        self.free_waiting(st, device);
+        self.pending = kept;
     }
 
     /// Frees every buffer the cache has back (free, pending, deferred) and starts a new
     /// generation. The keys and their (now empty) free lists stay, so `Home::slot` stays valid.
     fn invalidate(&mut self, st: &Counters) {
         self.flush(st, None);
-        self.free_pending(st);
+        self.free_waiting(st, None);
         self.lru.clear();
         self.generation = self.generation.wrapping_add(1);
         add(&st.invalidations, 1);
+    }
+
+    /// Applies `config`; changing the key policy invalidates the cache.
+    fn configure(&mut self, st: &Counters, config: CacheConfig) {
+        if config.key != self.config.key {
+            self.invalidate(st);
+        }
+        self.config = config;
+        self.rebuild_lru();
+        self.evict(st);
     }
 
     /// Frees the least recently freed buffers until the cache is within its byte cap.
@@ -849,18 +1021,19 @@ impl Inner {
         let Some(cap) = self.config.max_cached_bytes else {
             return;
         };
-        while st.bytes_cached.load(Relaxed) as usize > cap {
+        while st.cached() > cap {
             let Some((stamp, slot)) = self.lru.pop_front() else {
                 break;
             };
             // Stamps grow, and every older entry has been handled, so the buffer is still free
             // exactly when it is the oldest of its list.
-            let list = &mut self.slots[slot as usize].free;
-            if list.first().is_some_and(|f| f.stamp == stamp) {
-                let Free { block, .. } = list.remove(0);
-                sub(&st.bytes_cached, block.bytes());
+            let list = &mut self.slots[slot as usize];
+            if list.free.first().is_some_and(|f| f.stamp == stamp) {
+                let Free { block, .. } = list.free.remove(0);
+                let g = list.gauge;
+                sub(&st.gauge(g).cached, block.bytes());
                 add(&st.evictions, 1);
-                self.free(st, block);
+                self.free(st, g, block);
             }
         }
     }

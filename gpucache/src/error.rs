@@ -13,17 +13,18 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The number of elements or bytes of a shape does not fit in `usize` (or exceeds
-    /// `isize::MAX` bytes, the most any Rust allocation or slice can hold).
+    /// The number of elements or bytes of a shape does not fit in `usize`, or its bytes exceed
+    /// the largest allocation (`isize::MAX` rounded down to 64 bytes). Check the dimensions.
     #[error(
-        "shape {dims:?} of {dtype} is too large: its size in bytes overflows the address space \
-         (at most isize::MAX bytes); check the dimensions"
+        "shape {dims:?}{} is too large: its size overflows the largest allocation",
+        of_type(*.dtype)
     )]
     ShapeOverflow {
         /// The dimensions that were asked for.
         dims: Vec<usize>,
-        /// The element type.
-        dtype: DType,
+        /// The element type (`None` when the number of elements itself overflows, as reported
+        /// by [`Shape::numel`](crate::Shape::numel)).
+        dtype: Option<DType>,
     },
 
     /// `Array::from_slice` got a slice whose length is not the shape's number of elements.
@@ -40,25 +41,28 @@ pub enum Error {
         got: usize,
     },
 
-    /// The device could not provide the memory, even after gpucache released every cached
-    /// buffer it could (this thread's caches for the device, then every other thread's) and
-    /// retried once.
+    /// The device could not provide the memory, even after gpucache gave back everything its
+    /// caches held for the device that no array owns (this thread's caches, then every other
+    /// thread's, buffers returned from other threads included) and retried once.
+    ///
+    /// What to do: drop arrays you no longer need, [`invalidate`](crate::invalidate) caches you
+    /// are done with, or use smaller batches. `cached` bytes are held by scopes active on other
+    /// threads: they are released when those scopes exit.
     #[error(
         "out of memory on {device}: could not allocate {requested} bytes after releasing cached \
-         buffers and retrying; gpucache still holds {in_use} bytes in use by live arrays and \
-         {cached} bytes cached in scopes active on other threads. Drop arrays you no longer need, \
-         call gpucache::invalidate for caches you are done with, or use smaller batches"
+         buffers and retrying ({in_use} bytes in use by live arrays, {cached} bytes held by \
+         scopes active on other threads)"
     )]
     OutOfMemory {
         /// The device that ran out.
         device: Device,
-        /// The number of bytes that were asked for.
+        /// The number of bytes the caller asked for (not rounded up to a size class).
         requested: usize,
-        /// Bytes still sitting in free lists that could not be released (caches held active by
-        /// a scope on another thread).
+        /// Bytes gpucache holds on the device that no array owns and that could not be released:
+        /// free lists of caches inside a scope on another thread, and buffers dropped inside such
+        /// a scope (free when it exits).
         cached: usize,
-        /// Bytes gpucache has allocated on the device that are not in any free list: owned by
-        /// live arrays, or dropped inside a scope that has not exited yet.
+        /// Bytes gpucache has allocated on the device for arrays that are alive.
         in_use: usize,
     },
 
@@ -140,4 +144,9 @@ pub enum Error {
         /// The array's device.
         device: Device,
     },
+}
+
+/// ` of {dtype}`, or nothing.
+fn of_type(dtype: Option<DType>) -> String {
+    dtype.map(|t| format!(" of {t}")).unwrap_or_default()
 }

@@ -18,6 +18,7 @@ use std::cell::RefCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 
 use crate::{Device, DeviceStats, Error, Result};
@@ -125,6 +126,12 @@ impl Block {
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
         self.storage.bytes()
+    }
+
+    /// The device the block lives on.
+    #[inline]
+    pub(crate) fn device(&self) -> Device {
+        self.storage.device()
     }
 
     /// The host allocation, when the memory is host memory.
@@ -260,15 +267,16 @@ impl fmt::Debug for Block {
 static CPU: LazyLock<Arc<dyn Backend>> = LazyLock::new(|| Arc::new(cpu::CpuBackend::default()));
 
 thread_local! {
-    /// A backend installed for `Device::Cpu` on this thread by `testing::use_backend`.
-    static CPU_OVERRIDE: RefCell<Option<Arc<dyn Backend>>> = const { RefCell::new(None) };
+    /// Backends installed for `Device::Cpu` on this thread by `testing::use_backend`, with their
+    /// guards' numbers; the last one serves.
+    static CPU_OVERRIDES: RefCell<Vec<(u64, Arc<dyn Backend>)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The backend that serves `device` on this thread.
 pub(crate) fn resolve(device: Device) -> Result<Arc<dyn Backend>> {
     match device {
-        Device::Cpu => Ok(CPU_OVERRIDE
-            .try_with(|o| o.borrow().clone())
+        Device::Cpu => Ok(CPU_OVERRIDES
+            .try_with(|o| o.borrow().last().map(|(_, b)| Arc::clone(b)))
             .ok()
             .flatten()
             .unwrap_or_else(|| Arc::clone(&CPU))),
@@ -287,7 +295,17 @@ pub(crate) fn check_device(device: Device) -> Result<()> {
     resolve(device).map(drop)
 }
 
-/// Installs `backend` for `Device::Cpu` on this thread; returns the one it replaces.
-pub(crate) fn set_cpu_override(backend: Option<Arc<dyn Backend>>) -> Option<Arc<dyn Backend>> {
-    CPU_OVERRIDE.try_with(|o| o.replace(backend)).ok().flatten()
+/// Installs `backend` for `Device::Cpu` on this thread, over any installed before; returns the
+/// number that [`remove_cpu_override`] takes.
+pub(crate) fn push_cpu_override(backend: Arc<dyn Backend>) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Relaxed);
+    let _ = CPU_OVERRIDES.try_with(|o| o.borrow_mut().push((id, backend)));
+    id
+}
+
+/// Removes the backend installed as `id` (wherever it is in the stack: guards dropped out of
+/// order remove their own entry, and the last installed one that remains serves).
+pub(crate) fn remove_cpu_override(id: u64) {
+    let _ = CPU_OVERRIDES.try_with(|o| o.borrow_mut().retain(|(i, _)| *i != id));
 }

@@ -11,13 +11,14 @@
 //! backend.
 
 pub(crate) mod cpu;
+
+pub(crate) use cpu::HostBuf;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
 use std::cell::RefCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 
@@ -63,7 +64,7 @@ impl Storage {
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
         match self {
-            Storage::Host(h) => h.bytes,
+            Storage::Host(h) => h.bytes(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.bytes(),
         }
@@ -76,27 +77,6 @@ impl Storage {
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.device(),
         }
-    }
-}
-
-/// An owned, [`HOST_ALIGN`]-aligned, initialised host allocation of `bytes > 0` bytes.
-#[derive(Debug)]
-pub(crate) struct HostBuf {
-    ptr: NonNull<u8>,
-    bytes: usize,
-}
-
-// SAFETY: a HostBuf uniquely owns its allocation, like a Box<[u8]>; it has no thread affinity and
-// shared references only hand out reads through `&self` methods.
-unsafe impl Send for HostBuf {}
-// SAFETY: as above; `&HostBuf` gives only the pointer, and writes need `&mut`.
-unsafe impl Sync for HostBuf {}
-
-impl HostBuf {
-    /// The start of the allocation.
-    #[inline]
-    pub(crate) fn ptr(&self) -> NonNull<u8> {
-        self.ptr
     }
 }
 
@@ -199,12 +179,7 @@ impl Block {
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
         debug_assert!(bytes <= self.bytes());
         match &mut *self.storage {
-            Storage::Host(h) => {
-                // SAFETY: `h` owns `h.bytes >= bytes` writable bytes and we hold `&mut self`,
-                // so nothing else reads or writes them meanwhile.
-                unsafe { h.ptr.as_ptr().write_bytes(0, bytes) };
-                Ok(())
-            }
+            Storage::Host(h) => h.zero(bytes),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.zero(bytes),
         }
@@ -214,15 +189,7 @@ impl Block {
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
         debug_assert!(src.len() <= self.bytes());
         match &mut *self.storage {
-            Storage::Host(h) => {
-                // SAFETY: the destination owns `h.bytes >= src.len()` bytes, is exclusively
-                // borrowed through `&mut self`, and cannot overlap `src`, a shared borrow of
-                // other memory.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), h.ptr.as_ptr(), src.len());
-                }
-                Ok(())
-            }
+            Storage::Host(h) => h.write(src),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.write(src),
         }
@@ -232,15 +199,7 @@ impl Block {
     pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
         debug_assert!(dst.len() <= self.bytes());
         match &*self.storage {
-            Storage::Host(h) => {
-                // SAFETY: the source holds `h.bytes >= dst.len()` initialised bytes (host
-                // buffers are zeroed when allocated) and cannot overlap `dst`, an exclusive
-                // borrow of other memory.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(h.ptr.as_ptr(), dst.as_mut_ptr(), dst.len());
-                }
-                Ok(())
-            }
+            Storage::Host(h) => h.read(dst),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.read(dst),
         }

@@ -24,13 +24,14 @@
 //!
 //! let dev = Device::Cpu;
 //! let x = Array::from_slice(dev, &[1.0f32, -2.0, 3.0, -4.0], [4, 1])?;
-//! for _epoch in 0..2 {
+//! for epoch in 0..2 {
+//!     let before = gpucache::stats("train_step");
 //!     for _batch in 0..10 {
 //!         train_step(dev, &x)?;
 //!     }
-//!     let s = gpucache::stats("train_step");
-//!     assert_eq!(s.misses, 1); // one buffer, allocated once, recycled 9 times
-//!     println!("{s}");
+//!     let s = gpucache::stats("train_step").since(&before); // this epoch's figures
+//!     assert_eq!((s.misses, s.hits), (1, 9)); // one buffer, allocated once, recycled 9 times
+//!     println!("epoch {epoch}: {s}");
 //!     // A block in a scope of its own; `?` in it leaves the enclosing function, as in any block.
 //!     let loss = cache_scope!(eval, {
 //!         let h = Array::<f32>::zeros(dev, [4, 16])?;
@@ -39,8 +40,6 @@
 //!     assert_eq!(loss, 0.0);
 //!     gpucache::invalidate("train_step"); // give the memory back between epochs
 //!     assert_eq!(gpucache::stats("train_step").bytes_cached, 0);
-//!     gpucache::configure("train_step", Default::default()); // (counters are kept)
-//!     # break;
 //! }
 //! # Ok::<(), gpucache::Error>(())
 //! ```

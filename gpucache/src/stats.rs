@@ -213,10 +213,11 @@ impl Counters {
             .take_while(|&(code, _)| code != 0)
     }
 
-    /// The gauge at index `g`.
+    /// The gauge at index `g` (`< MAX_DEVICES`; the mask spares the hot path a bounds check).
     #[inline(always)]
     pub(crate) fn gauge(&self, g: u8) -> &Gauge {
-        &self.devices[g as usize]
+        const { assert!(MAX_DEVICES.is_power_of_two()) };
+        &self.devices[g as usize & (MAX_DEVICES - 1)]
     }
 
     /// The device of gauge `g` (a claimed one).

@@ -156,7 +156,7 @@ impl Inner {
             add(&st.gauge(g).waiting, block.bytes());
             self.deferred.push((slot, block));
         } else {
-            self.push_free(st, slot, block);
+            self.push_free(st, slot, g, block);
         }
     }
 
@@ -170,14 +170,16 @@ impl Inner {
             .partition(|(_, b)| b.is_idle());
         self.deferred = busy;
         for (slot, block) in idle {
-            sub(&st.gauge(self.gauge(slot)).waiting, block.bytes());
-            self.push_free(st, slot, block);
+            let g = self.gauge(slot);
+            sub(&st.gauge(g).waiting, block.bytes());
+            self.push_free(st, slot, g, block);
         }
     }
 
+    /// Puts `block` on the free list `slot` (of gauge `g`).
     #[inline(always)]
-    pub(super) fn push_free(&mut self, st: &Counters, slot: u32, block: Block) {
-        add(&st.gauge(self.gauge(slot)).cached, block.bytes());
+    pub(super) fn push_free(&mut self, st: &Counters, slot: u32, g: u8, block: Block) {
+        add(&st.gauge(g).cached, block.bytes());
         self.clock += 1;
         let stamp = self.clock;
         self.slots[slot as usize].free.push(Free { block, stamp });
@@ -204,12 +206,14 @@ impl Inner {
 
     /// Moves the buffers dropped during the scope to the free lists (or, if a device may still
     /// be using them, to the deferred list).
+    #[inline]
     pub(super) fn settle(&mut self, st: &Counters) {
         let mut pending = mem::take(&mut self.pending);
         for (slot, block) in pending.drain(..) {
             if block.is_idle() {
-                sub(&st.gauge(self.gauge(slot)).waiting, block.bytes());
-                self.push_free(st, slot, block);
+                let g = self.gauge(slot);
+                sub(&st.gauge(g).waiting, block.bytes());
+                self.push_free(st, slot, g, block);
             } else {
                 self.deferred.push((slot, block));
             }

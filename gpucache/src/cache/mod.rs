@@ -266,22 +266,39 @@ impl CacheCell {
         unsafe { &mut *self.inner.get() }
     }
 
-    /// Serves the requests other threads left, then unlocks; serves those left meanwhile.
+    /// Unlocks, then serves the requests other threads left while the lock was held. The common
+    /// case (no request) is inlined: the unlock, a fence and a load.
     ///
     /// # Safety
     /// The calling thread holds `lock`, and no reference to the state is alive.
+    #[inline(always)]
     unsafe fn unlock(&self) {
+        // SAFETY: the caller holds the lock.
+        unsafe { self.lock.unlock() };
+        // Pairs with the fence in `request`: either the requester's `try_lock` sees the lock
+        // free, or we see its request here. If another thread holds the lock again by then, it
+        // serves the request when it unlocks.
+        fence(SeqCst);
+        if self.remote.requested.load(SeqCst) && self.lock.try_lock() {
+            // SAFETY: we hold the lock again, and no reference to the state is alive.
+            unsafe { self.serve_and_unlock() };
+        }
+    }
+
+    /// Serves the requests, unlocks, and serves those left meanwhile.
+    ///
+    /// # Safety
+    /// As [`CacheCell::unlock`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn serve_and_unlock(&self) {
         loop {
-            if self.remote.requested.load(SeqCst) {
-                // SAFETY: (see `locked`) we hold the lock (the caller's, or re-taken below), and the
-                // caller holds no reference to the state.
-                self.serve_requests(unsafe { self.locked() });
-            }
+            // SAFETY: (see `locked`) we hold the lock (the caller's, or re-taken below), and no
+            // other reference to the state is alive.
+            self.serve_requests(unsafe { self.locked() });
             // SAFETY: as above.
             unsafe { self.lock.unlock() };
-            // Pairs with the fence in `request`: either the requester's `try_lock` sees the lock
-            // free, or we see its request here. If another thread holds the lock again, it
-            // serves the request when it unlocks.
+            // As in `unlock`.
             fence(SeqCst);
             if !self.remote.requested.load(SeqCst) || !self.lock.try_lock() {
                 return;

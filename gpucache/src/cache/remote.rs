@@ -65,12 +65,19 @@ pub(super) struct RemoteSide {
 
 impl CacheCell {
     /// Takes in the buffers other threads returned (lock holder), and accounts those another
-    /// thread gave back to the device. Cheap when there are none: the mutex is taken only when
-    /// the `returned` hint is set.
+    /// thread gave back to the device. Cheap when there are none (this is on every scope entry
+    /// and exit): one load of the `returned` hint, inlined; the mutex is taken only when it is
+    /// set.
+    #[inline(always)]
     pub(super) fn drain_returned(&self, inner: &mut Inner, active: bool) {
-        if !self.remote.returned.load(Acquire) {
-            return;
+        if self.remote.returned.load(Acquire) {
+            self.take_in_returned(inner, active);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_in_returned(&self, inner: &mut Inner, active: bool) {
         let (returned, released) = {
             let mut remote = self.remote.state.lock();
             self.remote.returned.store(false, Relaxed);

@@ -368,7 +368,7 @@ fn run(program: &[Op]) {
     assert_eq!(backend.allocs(), backend.frees(), "{backend:?}");
 }
 
-/// A free list key, as the design defines it.
+/// A free list key, as `KeyPolicy` defines it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Key {
     Exact(Dt, &'static [usize]),

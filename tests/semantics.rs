@@ -1,4 +1,4 @@
-//! The semantics of DESIGN §4, one test each, on every available device.
+//! The cache's rules (the crate docs' "Semantics"), one test each, on every available device.
 //!
 //! Nothing here acts on other threads' caches (`empty_cache`, out-of-memory recovery): those
 //! tests live in `failures.rs`, serialised, so that they cannot disturb these.

@@ -95,6 +95,7 @@ pub enum Error {
     /// A call of the CUDA driver failed. The driver's own error is the
     /// [source](std::error::Error::source) (not repeated in this error's message).
     #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
     #[error("CUDA driver call failed")]
     Driver(#[from] cudarc::driver::DriverError),
 

@@ -120,7 +120,7 @@
 //! * **A thread that exits** closes its caches: free buffers go back to the device, and its
 //!   arrays still alive elsewhere are freed when they drop.
 //!
-//! ## Decisions where the design was silent
+//! ## Decisions
 //!
 //! * Zero-size arrays own no memory and never touch a cache (no hit, no miss).
 //! * `bytes_in_use` counts buffers handed out and not yet free, including those dropped inside
@@ -145,7 +145,7 @@
 //!   list. A thread's cache names likewise live as long as the thread.
 //! * `hits` and `misses` count allocations that succeeded; a failed allocation counts in
 //!   neither.
-//! * Beyond the contract's API: [`current_scope`] (the innermost scope's name),
+//! * Beyond the core API: [`current_scope`] (the innermost scope's name),
 //!   [`device_stats`] (what a device's backend allocated and freed, cached or not) and the
 //!   [`testing`] module.
 //!
@@ -172,12 +172,14 @@
 //! [`testing::CountingBackend`] counts allocations and frees and fails allocations on demand.
 
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod array;
 mod backend;
 mod cache;
 mod config;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 mod device;
 mod dtype;

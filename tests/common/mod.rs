@@ -3,7 +3,8 @@
 
 pub mod pattern;
 
-use std::sync::{Mutex, MutexGuard, Once};
+use std::cell::Cell;
+use std::sync::{Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use gpucache::{Array, CacheConfig, Device, Element, Shape, enter};
 
@@ -28,6 +29,7 @@ pub fn devices() -> Vec<Device> {
 /// Runs `test` once per device of [`devices`], with a cache name unique to the test and the
 /// device (tests of one binary may share a thread when run with `--test-threads=1`).
 pub fn for_each_device(test: &str, f: impl Fn(Device, &str)) {
+    let _shared = shared();
     for dev in devices() {
         let name = format!("{test}@{dev}");
         f(dev, &name);
@@ -66,13 +68,47 @@ pub fn escaping_step(dev: Device, name: &str, value: f32) -> Array<f32> {
 /// Elements of the arrays of [`escaping_step`]: 1 KiB of `f32`.
 pub const N_ESCAPE: usize = 256;
 
-/// Serialises the tests of one binary that act on every thread's caches.
-pub fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+/// Held by the tests of a binary that act on every thread's caches (`empty_cache`,
+/// out-of-memory recovery, whole-process readings): no other test of the binary that holds
+/// [`shared`] runs meanwhile.
+pub fn serial() -> Exclusive {
+    let guard = GLOBAL
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    EXCLUSIVE.with(|e| e.set(true));
+    Exclusive(guard)
 }
 
-/// Configures the calling thread's cache `name`: the default options, changed by `set`.
+/// Held by tests that check what their own caches hold, so that no [`serial`] test releases
+/// them meanwhile. Free on a thread that holds [`serial`].
+pub fn shared() -> Option<RwLockReadGuard<'static, ()>> {
+    if EXCLUSIVE.with(Cell::get) {
+        return None;
+    }
+    Some(
+        GLOBAL
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()),
+    )
+}
+
+static GLOBAL: RwLock<()> = RwLock::new(());
+
+thread_local! {
+    /// Whether this thread holds [`serial`].
+    static EXCLUSIVE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The guard of [`serial`].
+pub struct Exclusive(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+
+impl Drop for Exclusive {
+    fn drop(&mut self) {
+        EXCLUSIVE.with(|e| e.set(false));
+    }
+}
+
+/// Configures cache `name` (on every thread): the default options, changed by `set`.
 pub fn configure(name: &str, set: impl FnOnce(&mut CacheConfig)) {
     let mut config = CacheConfig::default();
     set(&mut config);

@@ -4,7 +4,7 @@
 //! Tests that act on every thread's caches (out-of-memory recovery, `empty_cache`) take the
 //! `serial()` lock, so that they cannot release each other's buffers mid-test.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, mpsc};
 use std::thread;
@@ -137,6 +137,7 @@ fn a_missing_gpu_is_a_typed_error() {
 
 #[test]
 fn host_access_to_a_device_array_is_refused() {
+    let _shared = common::shared();
     let dev = common::devices().into_iter().find(|d| d.is_cuda());
     let Some(dev) = dev else { return };
     let mut a = Array::<f32>::zeros(dev, 4).unwrap();

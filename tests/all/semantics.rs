@@ -1,9 +1,10 @@
 //! The cache's rules (the crate docs' "Semantics"), one test each, on every available device.
 //!
 //! Nothing here acts on other threads' caches (`empty_cache`, out-of-memory recovery): those
-//! tests live in `failures.rs`, serialised, so that they cannot disturb these.
+//! tests hold `common::serial()`, and every test here holds `common::shared()` (through
+//! `for_each_device`), so that they cannot disturb these.
 
-mod common;
+use crate::common;
 
 use std::thread;
 
@@ -133,6 +134,7 @@ fn escaped_array_is_never_recycled_while_alive_and_comes_home() {
 
 #[test]
 fn allocations_outside_any_scope_are_not_cached() {
+    let _shared = common::shared();
     let backend = CountingBackend::new();
     let _installed = use_backend(&backend);
     assert_eq!(gpucache::current_scope(), None);
@@ -321,6 +323,7 @@ fn an_array_dropped_on_another_thread_returns_home() {
 
 #[test]
 fn an_array_outliving_its_home_thread_is_freed_when_dropped() {
+    let _shared = common::shared();
     let backend = CountingBackend::new();
     let escaped = thread::scope(|s| {
         s.spawn(|| {
@@ -444,6 +447,7 @@ fn changing_the_key_policy_invalidates() {
 
 #[test]
 fn summary_lists_caches_of_every_thread() {
+    let _shared = common::shared();
     let _scope = enter("summary-main");
     drop(Array::<f32>::zeros(Device::Cpu, N).unwrap());
     thread::Builder::new()

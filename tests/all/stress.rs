@@ -12,7 +12,7 @@
 //! `GPUCACHE_STRESS_OPS` sets the operations per thread (default [`DEFAULT_OPS`]; the closing
 //! note of the reliability issue reports a run of 1,000,000 in release).
 
-mod common;
+use crate::common;
 
 use std::sync::Barrier;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
@@ -38,6 +38,7 @@ type Tagged = (AnyArray, u64);
 
 #[test]
 fn eight_threads_with_cross_thread_drops() {
+    let _serial = common::serial();
     let ops = env_or("GPUCACHE_STRESS_OPS", DEFAULT_OPS);
     let backend = CountingBackend::new();
     let barrier = Barrier::new(THREADS);

@@ -6,7 +6,7 @@ use std::process::Command;
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::{Array, Device, enter, stats};
 
-const CHILD: &str = "disabled_caching_allocates_and_frees_directly";
+const CHILD: &str = "disable::disabled_caching_allocates_and_frees_directly";
 
 #[test]
 fn disabled_caching_allocates_and_frees_directly() {

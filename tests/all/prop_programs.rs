@@ -25,7 +25,7 @@
 //! `empty_cache` reaches every thread's caches, so the tests of this binary run one at a time
 //! (`serial()`). `PROPTEST_CASES` sets the number of programs (default [`DEFAULT_CASES`]).
 
-mod common;
+use crate::common;
 
 use std::collections::VecDeque;
 use std::fmt;

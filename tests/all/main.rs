@@ -1,0 +1,24 @@
+//! The CPU integration tests, in one binary (one link instead of one per file):
+//!
+//! * `semantics`: the cache's rules, one test each (and on the GPU in `tests/cuda`);
+//! * `threads`: named caches across threads;
+//! * `failures`: typed errors, out-of-memory recovery, `empty_cache`;
+//! * `faults`: allocations failing on purpose (`testing::CountingBackend`);
+//! * `prop_programs`: random operation programs checked against a model after every step;
+//! * `stress`: many threads, many operations;
+//! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary).
+//!
+//! Tests that act on every thread's caches (`empty_cache`, out-of-memory recovery, whole-process
+//! readings) hold `common::serial()`; every other test that checks what a cache holds holds
+//! `common::shared()` (taken by `common::for_each_device`), so the two never overlap.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod disable;
+mod failures;
+mod faults;
+mod prop_programs;
+mod semantics;
+mod stress;
+mod threads;

@@ -221,6 +221,8 @@ pub mod prelude {
 /// What the macros expand to. Not part of the public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::instrument::{Instrumented, instrument};
+    pub use crate::instrument::{
+        Instrumented, Literal, ScopeName, enter_named, instrument, instrument_fn,
+    };
     pub use crate::scope::{ScopeGuard, enter};
 }

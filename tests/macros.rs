@@ -60,6 +60,21 @@ fn block_on<F: Future>(future: F) -> F::Output {
 
 fn assert_send<T: Send>(_: &T) {}
 
+/// Checks a future that reads its scope, yields once, and reads it again: making it entered no
+/// scope, it is `Send`, its first poll (here) is in the scope `name` and leaves none behind,
+/// and its second poll, on another thread, is in `name` too.
+fn assert_in_scope_on_each_poll<F>(future: F, name: &str)
+where
+    F: Future<Output = (Option<String>, Option<String>)> + Send + 'static,
+{
+    assert_eq!(current(), None);
+    let mut future = Box::pin(future);
+    assert!(poll_once(future.as_mut()).is_pending());
+    assert_eq!(current(), None);
+    let done = thread::spawn(move || block_on(future)).join().unwrap();
+    assert_eq!(done, (some(name), some(name)));
+}
+
 /// Allocates one small array, in whatever scope is current.
 fn alloc() -> gpucache::Result<Array<f32>> {
     Array::<f32>::zeros(Device::Cpu, [16])
@@ -477,12 +492,17 @@ fn async_methods_generics_and_impl_trait() {
     assert_eq!(current(), None);
 }
 
-#[cache_scope(async_cached)]
-async fn async_cached() -> gpucache::Result<()> {
+/// Allocates an array, yields, and drops it, in whatever scope each poll is in.
+async fn alloc_across_a_yield() -> gpucache::Result<()> {
     let x = alloc()?;
     yield_now().await;
     drop(x);
     Ok(())
+}
+
+#[cache_scope(async_cached)]
+async fn async_cached() -> gpucache::Result<()> {
+    alloc_across_a_yield().await
 }
 
 #[test]
@@ -602,12 +622,7 @@ fn fn_returning_a_boxed_future_is_in_its_scope_on_every_poll() {
 
 #[cache_scope(future_cached)]
 fn future_cached() -> impl Future<Output = gpucache::Result<()>> {
-    async {
-        let x = alloc()?;
-        yield_now().await;
-        drop(x);
-        Ok(())
-    }
+    alloc_across_a_yield() // allocates when polled
 }
 
 #[test]
@@ -752,17 +767,12 @@ fn block_macro_await_inside_an_async_body_keeps_the_scope_across_it() {
 
 #[test]
 fn block_macro_instruments_an_async_block_around_each_poll() {
-    let mut future = Box::pin(cache_scope!(async_block, async {
+    let future = cache_scope!(async_block, async {
         let first = current();
         yield_now().await;
         (first, current())
-    }));
-    assert_send(&future);
-    assert_eq!(current(), None);
-    assert!(poll_once(future.as_mut()).is_pending());
-    assert_eq!(current(), None);
-    let done = thread::spawn(move || block_on(future)).join().unwrap();
-    assert_eq!(done, (some("async_block"), some("async_block")));
+    });
+    assert_in_scope_on_each_poll(future, "async_block");
 }
 
 #[test]
@@ -856,17 +866,12 @@ fn block_macro_run_time_name_keeps_the_block_semantics() {
 #[test]
 fn block_macro_run_time_name_with_an_async_body() {
     let layer = 3;
-    let mut future = Box::pin(cache_scope!(name = format!("layer{layer}"), async move {
+    let future = cache_scope!(name = format!("layer{layer}"), async move {
         let first = current();
         yield_now().await;
         (first, current())
-    }));
-    assert_send(&future);
-    assert_eq!(current(), None);
-    assert!(poll_once(future.as_mut()).is_pending());
-    assert_eq!(current(), None);
-    let done = thread::spawn(move || block_on(future)).join().unwrap();
-    assert_eq!(done, (some("layer3"), some("layer3")));
+    });
+    assert_in_scope_on_each_poll(future, "layer3");
 }
 
 #[test]

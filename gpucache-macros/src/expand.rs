@@ -56,43 +56,39 @@ pub(crate) fn attribute(name: &ScopeName, mut func: ItemFn) -> TokenStream {
             .push(Stmt::Expr(Expr::Verbatim(body), None));
         return func.into_token_stream();
     }
-    let ReturnType::Type(_, ty) = &func.sig.output else {
-        func.block.stmts.insert(0, enter(&name));
-        return func.into_token_stream();
-    };
-    let body = match returned_future(ty) {
+    let stmts = &func.block.stmts;
+    let body = match returned_future(&func.sig.output) {
         None => {
             func.block.stmts.insert(0, enter(&name));
             return func.into_token_stream();
         }
         Some(Returned::Opaque) => {
-            let stmts = &func.block.stmts;
             quote! { ::gpucache::__private::instrument_fn(#name, move || { #(#stmts)* }) }
         }
-        Some(Returned::Boxed) => {
-            let stmts = &func.block.stmts;
-            quote! {
-                ::std::boxed::Box::pin(
-                    ::gpucache::__private::instrument_fn(#name, move || -> #ty { #(#stmts)* })
-                )
-            }
-        }
+        Some(Returned::Boxed(ty)) => quote! {
+            ::std::boxed::Box::pin(
+                ::gpucache::__private::instrument_fn(#name, move || -> #ty { #(#stmts)* })
+            )
+        },
     };
     func.block.stmts = vec![Stmt::Expr(Expr::Verbatim(body), None)];
     func.into_token_stream()
 }
 
 /// The kinds of future a sync fn can be seen to return from its signature.
-enum Returned {
+enum Returned<'a> {
     /// `impl Future<..> + ..`.
     Opaque,
-    /// `Pin<Box<dyn Future<..> + ..>>`.
-    Boxed,
+    /// `Pin<Box<dyn Future<..> + ..>>`, this type.
+    Boxed(&'a Type),
 }
 
-/// Whether `ty` is a future the function's body makes (and of which kind). Only the shapes
+/// Whether the function returns a future its body makes (and of which kind). Only the shapes
 /// that can be told from the tokens count: a type alias such as `BoxFuture` cannot be.
-fn returned_future(ty: &Type) -> Option<Returned> {
+fn returned_future(output: &ReturnType) -> Option<Returned<'_>> {
+    let ReturnType::Type(_, ty) = output else {
+        return None;
+    };
     match unwrap(ty) {
         Type::ImplTrait(opaque) => has_future(&opaque.bounds).then_some(Returned::Opaque),
         Type::Path(pin) => {
@@ -103,7 +99,7 @@ fn returned_future(ty: &Type) -> Option<Returned> {
             let Type::TraitObject(object) = unwrap(only_type_arg(boxed, "Box")?) else {
                 return None;
             };
-            has_future(&object.bounds).then_some(Returned::Boxed)
+            has_future(&object.bounds).then_some(Returned::Boxed(ty))
         }
         _ => None,
     }

@@ -1,13 +1,16 @@
-//! Runtime behaviour of `#[cache_scope]` and `cache_scope!` in every form (DESIGN §3): the
-//! scope is active inside and not after, on every way out; an `async fn` is in its scope only
-//! while it is polled, and its future can finish on another thread; scopes nest and recurse;
-//! and the scope really routes allocations through its cache.
+//! Runtime behaviour of `#[cache_scope]` and `cache_scope!` in every form: the scope is active
+//! inside and not after, on every way out; an `async fn`, a function returning a future and an
+//! `async` block given to `cache_scope!` are in their scope only while polled, and their futures
+//! stay `Send` and can finish on another thread; a name computed at run time is the value's
+//! text; scopes nest and recurse; and the scope really routes allocations through its cache.
 
+use std::borrow::Cow;
 use std::fmt::Display;
 use std::future::Future;
 use std::num::ParseIntError;
 use std::panic;
 use std::pin::{Pin, pin};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::{self, ThreadId};
 
@@ -56,6 +59,21 @@ fn block_on<F: Future>(future: F) -> F::Output {
 }
 
 fn assert_send<T: Send>(_: &T) {}
+
+/// Checks a future that reads its scope, yields once, and reads it again: making it entered no
+/// scope, it is `Send`, its first poll (here) is in the scope `name` and leaves none behind,
+/// and its second poll, on another thread, is in `name` too.
+fn assert_in_scope_on_each_poll<F>(future: F, name: &str)
+where
+    F: Future<Output = (Option<String>, Option<String>)> + Send + 'static,
+{
+    assert_eq!(current(), None);
+    let mut future = Box::pin(future);
+    assert!(poll_once(future.as_mut()).is_pending());
+    assert_eq!(current(), None);
+    let done = thread::spawn(move || block_on(future)).join().unwrap();
+    assert_eq!(done, (some(name), some(name)));
+}
 
 /// Allocates one small array, in whatever scope is current.
 fn alloc() -> gpucache::Result<Array<f32>> {
@@ -474,12 +492,17 @@ fn async_methods_generics_and_impl_trait() {
     assert_eq!(current(), None);
 }
 
-#[cache_scope(async_cached)]
-async fn async_cached() -> gpucache::Result<()> {
+/// Allocates an array, yields, and drops it, in whatever scope each poll is in.
+async fn alloc_across_a_yield() -> gpucache::Result<()> {
     let x = alloc()?;
     yield_now().await;
     drop(x);
     Ok(())
+}
+
+#[cache_scope(async_cached)]
+async fn async_cached() -> gpucache::Result<()> {
+    alloc_across_a_yield().await
 }
 
 #[test]
@@ -488,6 +511,126 @@ fn async_fn_routes_allocations_through_its_cache() {
         block_on(async_cached()).unwrap();
     }
     assert_eq!(misses_hits("async_cached"), (1, 2));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attribute on sync functions that return a future
+
+/// A future that, when polled, is ready with the scope it was polled in.
+fn scope_when_polled() -> impl Future<Output = Option<String>> + Send {
+    std::future::poll_fn(|_| Poll::Ready(current()))
+}
+
+#[cache_scope(opaque_future)]
+fn opaque_future(
+    log: &mut Vec<Option<String>>,
+) -> impl Future<Output = Option<String>> + Send + use<> {
+    log.push(current()); // the synchronous part of the body runs in the scope too
+    async move {
+        yield_now().await;
+        current()
+    }
+}
+
+#[test]
+fn fn_returning_impl_future_is_in_its_scope_on_every_poll() {
+    let mut log = Vec::new();
+    let mut future = Box::pin(opaque_future(&mut log));
+    assert_eq!(log, [some("opaque_future")]);
+    assert_eq!(current(), None); // made, and the scope exited
+    assert_send(&future);
+    {
+        let _driver = gpucache::enter("driver");
+        assert!(poll_once(future.as_mut()).is_pending());
+        assert_eq!(current(), some("driver"));
+    }
+    // The second poll, which reads the scope, on another thread.
+    let (scope, after) = thread::spawn(move || (block_on(future), current()))
+        .join()
+        .unwrap();
+    assert_eq!((scope, after), (some("opaque_future"), None));
+}
+
+#[cache_scope(early_future)]
+fn early_future(early: bool) -> impl Future<Output = Option<String>> + Send {
+    if early {
+        return scope_when_polled(); // a `return` is wrapped as well as the tail
+    }
+    scope_when_polled()
+}
+
+#[test]
+fn fn_returning_impl_future_early_return_is_wrapped_too() {
+    assert_eq!(block_on(early_future(true)), some("early_future"));
+    assert_eq!(block_on(early_future(false)), some("early_future"));
+    assert_eq!(current(), None);
+}
+
+/// The shape `async-trait` gives an `async fn` in a trait: a boxed, `Send` future.
+trait Fetch {
+    fn fetch<'a>(
+        &'a self,
+        extra: u32,
+    ) -> Pin<Box<dyn Future<Output = (u32, Option<String>)> + Send + 'a>>;
+    fn local(&mut self) -> Pin<Box<dyn Future<Output = Option<String>> + '_>>;
+}
+
+struct Source {
+    base: u32,
+}
+
+impl Fetch for Source {
+    #[cache_scope(boxed_fetch)]
+    fn fetch<'a>(
+        &'a self,
+        extra: u32,
+    ) -> Pin<Box<dyn Future<Output = (u32, Option<String>)> + Send + 'a>> {
+        Box::pin(async move {
+            yield_now().await;
+            (self.base + extra, current())
+        })
+    }
+
+    #[cache_scope(boxed_local)]
+    fn local(&mut self) -> Pin<Box<dyn Future<Output = Option<String>> + '_>> {
+        self.base += 1;
+        let not_send = std::rc::Rc::new(());
+        Box::pin(async move {
+            yield_now().await;
+            drop(not_send);
+            current()
+        })
+    }
+}
+
+#[test]
+fn fn_returning_a_boxed_future_is_in_its_scope_on_every_poll() {
+    let source = Source { base: 1 };
+    thread::scope(|threads| {
+        let mut future = source.fetch(2);
+        assert_send(&future);
+        assert!(poll_once(future.as_mut()).is_pending());
+        assert_eq!(current(), None);
+        let done = threads.spawn(move || block_on(future)).join().unwrap();
+        assert_eq!(done, (3, some("boxed_fetch")));
+    });
+    let mut source = source;
+    assert_eq!(block_on(source.local()), some("boxed_local"));
+    assert_eq!(source.base, 2);
+    assert_eq!(current(), None);
+}
+
+#[cache_scope(future_cached)]
+fn future_cached() -> impl Future<Output = gpucache::Result<()>> {
+    alloc_across_a_yield() // allocates when polled
+}
+
+#[test]
+fn fn_returning_a_future_routes_allocations_through_its_cache() {
+    for _ in 0..3 {
+        block_on(future_cached()).unwrap();
+    }
+    assert_eq!(misses_hits("future_cached"), (1, 2));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -624,17 +767,123 @@ fn block_macro_await_inside_an_async_body_keeps_the_scope_across_it() {
 
 #[test]
 fn block_macro_instruments_an_async_block_around_each_poll() {
-    let mut future = Box::pin(cache_scope!(async_block, async {
+    let future = cache_scope!(async_block, async {
         let first = current();
         yield_now().await;
         (first, current())
-    }));
-    assert_send(&future);
+    });
+    assert_in_scope_on_each_poll(future, "async_block");
+}
+
+#[test]
+fn block_macro_instruments_an_async_move_block_sent_to_another_thread() {
+    let data = String::from("abc");
+    // The way to `.await` in a scope inside a task that must be `Send`: an `async` body.
+    let task = async move {
+        let before = current();
+        let (sum, inside) = cache_scope!(spawned, async move {
+            yield_now().await;
+            (data.len(), current())
+        })
+        .await;
+        (before, sum, inside, current())
+    };
+    assert_send(&task);
+    let done = thread::spawn(move || block_on(task)).join().unwrap();
+    assert_eq!(done, (None, 3, some("spawned"), None));
+}
+
+#[test]
+fn block_macro_name_computed_at_run_time() {
+    for i in 0..2 {
+        let name = format!("layer{i}");
+        assert_eq!(cache_scope!(name = &name, current()), some(&name));
+        assert_eq!(
+            cache_scope!(name = name, { current() }),
+            some(&format!("layer{i}"))
+        );
+    }
+    // A bare identifier is the literal name, whatever variable of that name is in scope.
+    let name = "not this";
+    assert_eq!(cache_scope!(name, current()), some("name"));
+    assert_eq!(cache_scope!(name = name, current()), some("not this"));
+    // Anything `AsRef<str>`.
+    let arc: Arc<str> = Arc::from("arc");
+    assert_eq!(cache_scope!(name = arc.clone(), current()), some("arc"));
+    assert_eq!(
+        cache_scope!(name = Cow::from("cow"), current()),
+        some("cow")
+    );
+    assert_eq!(
+        cache_scope!(name = &&String::from("ref"), current()),
+        some("ref")
+    );
     assert_eq!(current(), None);
-    assert!(poll_once(future.as_mut()).is_pending());
+}
+
+#[test]
+fn block_macro_run_time_name_is_evaluated_once_before_the_body() {
+    let mut order = Vec::new();
+    let value = cache_scope!(
+        name = {
+            order.push(("name", current()));
+            "once"
+        },
+        {
+            order.push(("body", current()));
+            cache_scope!(inner, order.push(("inner", current())));
+            order.push(("body", current()));
+            7
+        }
+    );
+    assert_eq!(value, 7);
+    assert_eq!(
+        order,
+        [
+            ("name", None),
+            ("body", some("once")),
+            ("inner", some("inner")),
+            ("body", some("once")),
+        ]
+    );
+}
+
+fn run_time_name_question_mark(name: &str, text: &str) -> Result<i32, ParseIntError> {
+    let n = cache_scope!(name = name, {
+        let n: i32 = text.parse()?;
+        n + 1
+    });
+    Ok(n)
+}
+
+#[test]
+fn block_macro_run_time_name_keeps_the_block_semantics() {
+    assert!(run_time_name_question_mark("parse", "x").is_err());
+    assert_eq!(run_time_name_question_mark("parse", "1"), Ok(2));
     assert_eq!(current(), None);
-    let done = thread::spawn(move || block_on(future)).join().unwrap();
-    assert_eq!(done, (some("async_block"), some("async_block")));
+}
+
+#[test]
+fn block_macro_run_time_name_with_an_async_body() {
+    let layer = 3;
+    let future = cache_scope!(name = format!("layer{layer}"), async move {
+        let first = current();
+        yield_now().await;
+        (first, current())
+    });
+    assert_in_scope_on_each_poll(future, "layer3");
+}
+
+#[test]
+fn block_macro_run_time_name_routes_allocations_through_its_cache() {
+    let names = ["run time a".to_owned(), "run time b".to_owned()];
+    for _ in 0..3 {
+        for name in &names {
+            cache_scope!(name = name, alloc()).unwrap();
+        }
+    }
+    assert_eq!(misses_hits("run time a"), (1, 2));
+    assert_eq!(misses_hits("run time b"), (1, 2));
 }
 
 #[test]

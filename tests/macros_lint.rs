@@ -17,6 +17,7 @@ pub mod api {
     // Not `use super::*`: in the parent, `use gpucache::cache_scope` shadows the prelude's
     // attribute of the same name, so a glob of the parent brings only the block macro.
     use std::fmt::Display;
+    use std::pin::Pin;
 
     use gpucache::prelude::*;
 
@@ -138,6 +139,22 @@ pub mod api {
         Ok(format!("{value}{extra}"))
     }
 
+    /// A sync fn returning `impl Future`, with a synchronous part and an early `return`.
+    #[cache_scope(opaque_future)]
+    pub fn opaque_future(early: bool) -> impl Future<Output = u32> + Send {
+        let offset = u32::from(early);
+        if early {
+            return std::future::ready(offset);
+        }
+        std::future::ready(offset + 10)
+    }
+
+    /// A sync fn returning a boxed future, as `async-trait` writes an `async fn` in a trait.
+    #[cache_scope(boxed_future)]
+    pub fn boxed_future<'a>(model: &'a Model) -> Pin<Box<dyn Future<Output = u32> + Send + 'a>> {
+        Box::pin(async move { model.steps })
+    }
+
     /// `async fn` whose whole body awaits another future.
     #[cache_scope(forward)]
     pub async fn forward(model: &Model) -> u32 {
@@ -195,7 +212,21 @@ fn block_forms(values: &[&str]) -> Result<u32, std::num::ParseIntError> {
 async fn block_async() -> u32 {
     let future = cache_scope!(async_block, async { 2 });
     let value = future.await;
+    let layer = 1;
+    let value = cache_scope!(name = format!("layer{layer}"), async move { value + layer }).await;
     cache_scope!(awaits, { std::future::ready(value).await })
+}
+
+fn block_run_time_names(names: &[String]) -> Result<usize, std::num::ParseIntError> {
+    let mut total = 0;
+    for name in names {
+        total += cache_scope!(name = name, {
+            let value: usize = "1".parse()?;
+            value
+        });
+        total += cache_scope!(name = name.as_str(), name.len());
+    }
+    Ok(total)
 }
 
 fn block_on<F: Future>(future: F) -> F::Output {
@@ -238,6 +269,10 @@ fn every_form_compiles_warning_free_and_runs() {
     assert_eq!(glob::block().as_deref(), Some("glob_block"));
     assert_eq!(block_forms(&["1", "", "2", "200"]), Ok(3 + 4 + 1 + 1));
     assert_eq!(block_forms(&["0"]), Ok(0));
-    assert_eq!(block_on(block_async()), 2);
+    assert_eq!(block_on(block_async()), 3);
+    assert_eq!(block_run_time_names(&["ab".to_owned()]), Ok(3));
+    assert_eq!(block_on(opaque_future(true)), 1);
+    assert_eq!(block_on(opaque_future(false)), 10);
+    assert_eq!(block_on(boxed_future(&Model::new())), 0);
     assert_eq!(gpucache::current_scope(), None);
 }

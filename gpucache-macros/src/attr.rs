@@ -26,7 +26,10 @@ impl Form {
     fn usage(self) -> &'static str {
         match self {
             Form::Attribute => "`#[cache_scope(name)]` or `#[cache_scope(\"name\")]`",
-            Form::Block => "`cache_scope!(name, { ... })` or `cache_scope!(\"name\", expr)`",
+            Form::Block => {
+                "`cache_scope!(name, { ... })`, `cache_scope!(\"name\", expr)` or, for a name \
+                 computed at run time, `cache_scope!(name = <expr>, { ... })`"
+            }
         }
     }
 
@@ -108,21 +111,33 @@ impl ScopeName {
     }
 }
 
-/// Fails on `key = value`, which reads like an option; `cache_scope` has none.
+/// Whether `input` starts with `key =` (and not `key ==`).
+fn peek_key(input: ParseStream<'_>) -> bool {
+    input.peek(Ident::peek_any) && input.peek2(Token![=]) && !input.peek2(Token![==])
+}
+
+/// Fails on `key = value`, which reads like an option; `cache_scope` has none. (The block
+/// macro's `name = <expr>` is parsed before this is called.)
 fn reject_option(input: ParseStream<'_>, form: Form) -> syn::Result<()> {
-    if input.peek(Ident::peek_any) && input.peek2(Token![=]) {
-        let key = input.call(Ident::parse_any)?;
-        return Err(syn::Error::new_spanned(
-            &key,
-            format!(
-                "unknown option `{key}`: {} takes only a scope name (a cache's options are set \
-                 with `gpucache::configure`): write {}",
-                form.macro_name(),
-                form.usage()
-            ),
-        ));
+    if !peek_key(input) {
+        return Ok(());
     }
-    Ok(())
+    let key = input.call(Ident::parse_any)?;
+    let message = match form {
+        Form::Attribute if key == "name" => format!(
+            "`#[cache_scope]` takes a name written in the code, not `name = ...`: write {}; for \
+             a name computed at run time, use `cache_scope!(name = <expr>, {{ ... }})` inside \
+             the function",
+            form.usage()
+        ),
+        _ => format!(
+            "unknown option `{key}`: {} takes only a scope name (a cache's options are set with \
+             `gpucache::configure`): write {}",
+            form.macro_name(),
+            form.usage()
+        ),
+    };
+    Err(syn::Error::new_spanned(&key, message))
 }
 
 /// Fails on whatever is left in `input`, underlining all of it.
@@ -157,9 +172,49 @@ impl Parse for AttrArgs {
     }
 }
 
+/// The name of a `cache_scope!`: written in the code, or computed at run time.
+pub(crate) enum BlockName {
+    /// `cache_scope!(name, ..)` or `cache_scope!("name", ..)`.
+    Fixed(ScopeName),
+    /// `cache_scope!(name = <expr>, ..)`: the expression, as the user wrote it.
+    Computed(Expr),
+}
+
+impl BlockName {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let form = Form::Block;
+        let is_name_key = input
+            .fork()
+            .call(Ident::parse_any)
+            .is_ok_and(|key| key == "name");
+        if !(is_name_key && peek_key(input)) {
+            return ScopeName::parse(input, form).map(BlockName::Fixed);
+        }
+        let key = input.call(Ident::parse_any)?;
+        let eq: Token![=] = input.parse()?;
+        if input.is_empty() || input.peek(Token![,]) {
+            return Err(syn::Error::new_spanned(
+                quote!(#key #eq),
+                "missing expression after `name =`: write `cache_scope!(name = <expr>, { ... })`, \
+                 where the expression gives the scope name (a `&str`, a `String`, anything \
+                 `AsRef<str>`)",
+            ));
+        }
+        input.parse().map(BlockName::Computed)
+    }
+
+    /// An error that points at the name.
+    fn error(&self, message: String) -> syn::Error {
+        match self {
+            BlockName::Fixed(name) => syn::Error::new(name.span, message),
+            BlockName::Computed(expr) => syn::Error::new_spanned(expr, message),
+        }
+    }
+}
+
 /// The input of `cache_scope!(name, body)`; a trailing comma is allowed.
 pub(crate) struct BlockArgs {
-    pub(crate) name: ScopeName,
+    pub(crate) name: BlockName,
     pub(crate) body: Expr,
 }
 
@@ -173,12 +228,9 @@ impl Parse for BlockArgs {
                 format!("missing scope name and body: write {usage}"),
             ));
         }
-        let name = ScopeName::parse(input, form)?;
+        let name = BlockName::parse(input)?;
         if input.is_empty() {
-            return Err(syn::Error::new(
-                name.span,
-                format!("missing body after the scope name: write {usage}"),
-            ));
+            return Err(name.error(format!("missing body after the scope name: write {usage}")));
         }
         if !input.peek(Token![,]) {
             return Err(input.error(format!(

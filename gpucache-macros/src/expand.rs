@@ -3,16 +3,24 @@
 
 use proc_macro2::{Ident, Span, TokenStream, TokenTree};
 use quote::{ToTokens, quote, quote_spanned};
+use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
-use syn::{Expr, ItemFn, LitStr, ReturnType, Signature, Stmt, parse_quote};
+use syn::{
+    Expr, GenericArgument, ItemFn, LitStr, PathArguments, ReturnType, Signature, Stmt, Token, Type,
+    TypeParamBound, TypePath, parse_quote, parse_quote_spanned,
+};
 
-use crate::attr::{BlockArgs, ScopeName};
+use crate::attr::{BlockArgs, BlockName, ScopeName};
 
-/// `let <guard> = ::gpucache::__private::enter("name");`. The guard variable has a mixed-site
-/// span, which hides it from the user's code: a user variable of the same name neither shadows
-/// it nor is shadowed by it.
+/// The guard variable. It has a mixed-site span, which hides it from the user's code: a user
+/// variable of the same name neither shadows it nor is shadowed by it.
+fn guard() -> Ident {
+    Ident::new("__gpucache_scope", Span::mixed_site())
+}
+
+/// `let <guard> = ::gpucache::__private::enter("name");`.
 fn enter(name: &LitStr) -> Stmt {
-    let guard = Ident::new("__gpucache_scope", Span::mixed_site());
+    let guard = guard();
     parse_quote! {
         let #guard = ::gpucache::__private::enter(#name);
     }
@@ -26,21 +34,108 @@ fn enter(name: &LitStr) -> Stmt {
 /// * An `async fn` keeps its signature (so its lifetimes and `Send`-ness are inferred as
 ///   before) and its body becomes `instrument(name, async move { body }).await`: the scope is
 ///   entered around each poll of the body's future, never held across an `.await`.
+/// * A sync fn that returns a future (`impl Future<..>`, or `Pin<Box<dyn Future<..>>>` as
+///   `async-trait` writes it) is an `async fn` written out: its body runs in the scope, in a
+///   closure so that a `return` in it is caught too, and the future it makes is wrapped so
+///   that each of its polls runs in the scope (a boxed future is boxed again, to keep the
+///   declared type).
 pub(crate) fn attribute(name: &ScopeName, mut func: ItemFn) -> TokenStream {
     let name = name.lit();
     if func.sig.asyncness.is_some() {
         let stmts = std::mem::take(&mut func.block.stmts);
         let typed_return = typed_return(&func.sig);
         let body = quote! {
-            ::gpucache::__private::instrument(#name, async move { #typed_return #(#stmts)* }).await
+            ::gpucache::__private::instrument(
+                ::gpucache::__private::Literal(#name),
+                async move { #typed_return #(#stmts)* },
+            )
+            .await
         };
         func.block
             .stmts
             .push(Stmt::Expr(Expr::Verbatim(body), None));
-    } else {
-        func.block.stmts.insert(0, enter(&name));
+        return func.into_token_stream();
     }
+    let stmts = &func.block.stmts;
+    let body = match returned_future(&func.sig.output) {
+        None => {
+            func.block.stmts.insert(0, enter(&name));
+            return func.into_token_stream();
+        }
+        Some(Returned::Opaque) => {
+            quote! { ::gpucache::__private::instrument_fn(#name, move || { #(#stmts)* }) }
+        }
+        Some(Returned::Boxed(ty)) => quote! {
+            ::std::boxed::Box::pin(
+                ::gpucache::__private::instrument_fn(#name, move || -> #ty { #(#stmts)* })
+            )
+        },
+    };
+    func.block.stmts = vec![Stmt::Expr(Expr::Verbatim(body), None)];
     func.into_token_stream()
+}
+
+/// The kinds of future a sync fn can be seen to return from its signature.
+enum Returned<'a> {
+    /// `impl Future<..> + ..`.
+    Opaque,
+    /// `Pin<Box<dyn Future<..> + ..>>`, this type.
+    Boxed(&'a Type),
+}
+
+/// Whether the function returns a future its body makes (and of which kind). Only the shapes
+/// that can be told from the tokens count: a type alias such as `BoxFuture` cannot be.
+fn returned_future(output: &ReturnType) -> Option<Returned<'_>> {
+    let ReturnType::Type(_, ty) = output else {
+        return None;
+    };
+    match unwrap(ty) {
+        Type::ImplTrait(opaque) => has_future(&opaque.bounds).then_some(Returned::Opaque),
+        Type::Path(pin) => {
+            let boxed = only_type_arg(pin, "Pin")?;
+            let Type::Path(boxed) = unwrap(boxed) else {
+                return None;
+            };
+            let Type::TraitObject(object) = unwrap(only_type_arg(boxed, "Box")?) else {
+                return None;
+            };
+            has_future(&object.bounds).then_some(Returned::Boxed(ty))
+        }
+        _ => None,
+    }
+}
+
+/// `ty` without parentheses and invisible groups (which macros such as `async-trait` leave).
+fn unwrap(ty: &Type) -> &Type {
+    match ty {
+        Type::Group(group) => unwrap(&group.elem),
+        Type::Paren(paren) => unwrap(&paren.elem),
+        ty => ty,
+    }
+}
+
+/// The type argument of `path` when it is `...::name<T>`.
+fn only_type_arg<'a>(path: &'a TypePath, name: &str) -> Option<&'a Type> {
+    let last = path.path.segments.last()?;
+    let PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.first()? {
+        GenericArgument::Type(ty) if last.ident == name && args.args.len() == 1 => Some(ty),
+        _ => None,
+    }
+}
+
+/// Whether one of `bounds` is `...::Future<..>`.
+fn has_future(bounds: &Punctuated<TypeParamBound, Token![+]>) -> bool {
+    bounds.iter().any(|bound| match bound {
+        TypeParamBound::Trait(bound) => bound
+            .path
+            .segments
+            .last()
+            .is_some_and(|last| last.ident == "Future"),
+        _ => false,
+    })
 }
 
 /// A `return` of the `async fn`'s declared type that is never taken, put first in the async
@@ -90,18 +185,46 @@ fn mentions_impl(tokens: TokenStream) -> bool {
 /// guard as its first statement (its braces stay the user's, and no needless nested block is
 /// made); any other expression becomes the tail of a new block. An `async` block body is
 /// instrumented instead (a guard would only cover the creation of the future).
+///
+/// A name computed at run time (`name = <expr>`) is the user's expression, as they wrote it,
+/// passed by value to the function that needs it to be a string, so that a wrong type is
+/// reported at the expression: evaluated once, before the body, as a function argument is.
 pub(crate) fn block(args: BlockArgs) -> TokenStream {
     let BlockArgs { name, body } = args;
-    let name = name.lit();
-    match body {
-        Expr::Async(_) => quote! { ::gpucache::__private::instrument(#name, #body) },
-        Expr::Block(mut block) => {
-            block.block.stmts.insert(0, enter(&name));
-            block.into_token_stream()
+    match (name, body) {
+        (BlockName::Fixed(name), body @ Expr::Async(_)) => {
+            let name = name.lit();
+            quote! { ::gpucache::__private::instrument(::gpucache::__private::Literal(#name), #body) }
         }
-        body => {
-            let enter = enter(&name);
-            quote! { { #enter #body } }
+        (BlockName::Computed(name), body @ Expr::Async(_)) => {
+            let at = at_expr(&name);
+            quote_spanned! {at=> ::gpucache::__private::instrument(#name, #body) }
+        }
+        (name, body) => {
+            let enter = match name {
+                BlockName::Fixed(name) => enter(&name.lit()),
+                BlockName::Computed(name) => {
+                    let guard = guard();
+                    let at = at_expr(&name);
+                    parse_quote_spanned! {at=>
+                        let #guard = ::gpucache::__private::enter_named(#name);
+                    }
+                }
+            };
+            match body {
+                Expr::Block(mut block) => {
+                    block.block.stmts.insert(0, enter);
+                    block.into_token_stream()
+                }
+                body => quote! { { #enter #body } },
+            }
         }
     }
+}
+
+/// A span for the call that takes the name computed at run time: located at the user's
+/// expression (so that rustc's "required by a bound introduced by this call" points there too,
+/// not at the whole macro call), resolved at the call site.
+fn at_expr(expr: &Expr) -> Span {
+    Span::call_site().located_at(expr.span())
 }

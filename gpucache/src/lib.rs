@@ -49,17 +49,63 @@
 //! A scope is entered in one of three ways, all the same underneath:
 //!
 //! * [`#[cache_scope(name)]`](prelude::cache_scope) on a function or method runs its body in the
-//!   scope. On an `async fn` the scope is entered around every poll of its future, not held
-//!   while it is suspended, so the future stays `Send` and may finish on another thread.
+//!   scope. On an `async fn`, and on a function that returns `impl Future` or
+//!   `Pin<Box<dyn Future>>` (as `async-trait` writes one), the scope is entered around every
+//!   poll of the future, not held while it is suspended, so the future stays `Send` and may
+//!   finish on another thread.
 //! * [`cache_scope!(name, { ... })`](cache_scope!) runs a block (or `cache_scope!(name, expr)`
 //!   an expression) in the scope and evaluates to its value; `return`, `?`, `break` and
 //!   `continue` inside act as in a plain block.
 //! * [`enter`]`("name")` returns a guard; the scope exits when it drops.
 //!
+//! **In async code, `.await` in a scope through an `async` block:**
+//! `cache_scope!(name, async move { ... }).await` enters the scope around each poll of the
+//! block, like the attribute on an `async fn`, and the future stays `Send`, so it works in a
+//! spawned task. (A `{ ... }` block holding an `.await` keeps the scope's guard across it, and
+//! a task that must be `Send` then fails to compile: "future cannot be sent between threads
+//! safely", as the guard, a [`ScopeGuard`], "is not `Send`".)
+//!
+//! ```
+//! use gpucache::cache_scope;
+//!
+//! async fn read_batch() -> Vec<f32> {
+//!     vec![0.0; 4]
+//! }
+//!
+//! fn spawn<F: std::future::Future + Send + 'static>(task: F) -> F {
+//!     task // what a multi-threaded executor asks of a task
+//! }
+//!
+//! let task = spawn(async {
+//!     cache_scope!(load, async move {
+//!         let batch = read_batch().await;
+//!         (batch.len(), gpucache::current_scope())
+//!     })
+//!     .await
+//! });
+//! # let mut task = std::pin::pin!(task);
+//! # let poll = task.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+//! # assert_eq!(poll, std::task::Poll::Ready((4, Some("load".to_owned()))));
+//! ```
+//!
 //! A name is an identifier or a string literal: `#[cache_scope(train_step)]` and
-//! `#[cache_scope("train_step")]` name the same cache. The attribute lives in [`prelude`] and
-//! the block macro at the crate root, because an attribute and a function-like macro cannot
-//! share one path; import both with
+//! `#[cache_scope("train_step")]` name the same cache. **A bare identifier is the literal name,
+//! never a variable's value**: for a name computed at run time, write
+//! `cache_scope!(name = <expr>, { ... })`, where the expression gives a `&str`, a `String` or
+//! anything `AsRef<str>` (evaluated once, before the body):
+//!
+//! ```
+//! use gpucache::cache_scope;
+//!
+//! for i in 0..2 {
+//!     let layer = format!("layer{i}");
+//!     let inside = cache_scope!(name = &layer, gpucache::current_scope());
+//!     assert_eq!(inside, Some(layer)); // `cache_scope!(layer, ..)` would be the scope "layer"
+//! }
+//! ```
+//!
+//! The attribute lives in [`prelude`] and the block macro at the crate root, because an
+//! attribute and a function-like macro cannot share one path; import both with
 //!
 //! ```
 //! use gpucache::cache_scope; // the block macro `cache_scope!`
@@ -222,6 +268,8 @@ pub mod prelude {
 /// What the macros expand to. Not part of the public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::instrument::{Instrumented, instrument};
+    pub use crate::instrument::{
+        Instrumented, Literal, ScopeName, enter_named, instrument, instrument_fn,
+    };
     pub use crate::scope::{ScopeGuard, enter};
 }

@@ -27,6 +27,16 @@ async fn async_question_mark() -> Result<u32, std::fmt::Error> {
     Ok(n)
 }
 
+#[cache_scope(step)]
+fn opaque_future() -> impl std::future::Future<Output = u32> {
+    async { "not a number" }
+}
+
+#[cache_scope(step)]
+fn boxed_future() -> std::pin::Pin<Box<dyn std::future::Future<Output = u32>>> {
+    Box::pin(async { "not a number" })
+}
+
 fn main() {
     let _: u32 = cache_scope!(step, { "not a number" });
 }

@@ -9,13 +9,12 @@ use crate::common;
 use std::sync::{Arc, mpsc};
 use std::thread;
 
-use common::{all_eq, escaping_step, filled, for_each_device, serial};
+use common::{all_eq, escaping_step, filled, serial};
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::{Array, DType, Device, Error, Reuse, Shape, enter, stats};
 
-#[test]
-fn shape_overflow_is_a_typed_error() {
-    for_each_device("overflow", |dev, name| {
+common::device_tests! {
+    fn shape_overflow_is_a_typed_error(dev, name) {
         let _scope = enter(name);
         let err = Array::<u8>::zeros(dev, [usize::MAX, 2]).unwrap_err();
         assert!(
@@ -27,8 +26,51 @@ fn shape_overflow_is_a_typed_error() {
         assert!(matches!(err, Error::ShapeOverflow { .. }), "{err:?}");
         assert!(err.to_string().contains("too large"), "{err}");
         assert_eq!(stats(name).misses + stats(name).hits, 0);
-    });
-    assert!(Shape::from([usize::MAX, usize::MAX]).numel().is_err());
+        assert!(Shape::from([usize::MAX, usize::MAX]).numel().is_err());
+    }
+
+    fn length_mismatch_is_a_typed_error(dev, _name) {
+        let err = Array::from_slice(dev, &[1.0f32; 5], [2, 3]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::LengthMismatch {
+                    expected: 6,
+                    got: 5,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains('5') && msg.contains('6'), "{msg}");
+    }
+
+    fn host_access_is_refused_for_device_memory_only(dev, _name) {
+        let mut a = Array::<f32>::zeros(dev, 4).unwrap();
+        if dev.is_cuda() {
+            assert!(matches!(a.as_slice(), Err(Error::NotHostAccessible { .. })));
+            assert!(matches!(
+                a.as_mut_slice(),
+                Err(Error::NotHostAccessible { .. })
+            ));
+        } else {
+            assert_eq!(a.as_mut_slice().unwrap(), &[0.0; 4]);
+        }
+    }
+
+    fn zero_size_arrays_work_and_touch_no_cache(dev, name) {
+        let _scope = enter(name);
+        let a = Array::<f32>::zeros(dev, [0, 5]).unwrap();
+        assert!(a.is_empty());
+        assert_eq!((a.len(), a.num_bytes()), (0, 0));
+        assert_eq!(a.to_vec().unwrap(), Vec::<f32>::new());
+        let b = Array::<u8>::from_slice(dev, &[], 0).unwrap();
+        assert!(b.is_empty());
+        assert_eq!(stats(name), Default::default());
+        let scalar = Array::from_slice(dev, &[3i64], Shape::scalar()).unwrap();
+        assert_eq!((scalar.len(), scalar.to_vec().unwrap()), (1, vec![3]));
+    }
 }
 
 #[test]
@@ -93,59 +135,10 @@ fn backend_guards_dropped_out_of_order_keep_the_right_backend() {
 }
 
 #[test]
-fn length_mismatch_is_a_typed_error() {
-    for_each_device("mismatch", |dev, _| {
-        let err = Array::from_slice(dev, &[1.0f32; 5], [2, 3]).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::LengthMismatch {
-                    expected: 6,
-                    got: 5,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        let msg = err.to_string();
-        assert!(msg.contains('5') && msg.contains('6'), "{msg}");
-    });
-}
-
-#[test]
-fn zero_size_arrays_work_and_touch_no_cache() {
-    for_each_device("zero-size", |dev, name| {
-        let _scope = enter(name);
-        let a = Array::<f32>::zeros(dev, [0, 5]).unwrap();
-        assert!(a.is_empty());
-        assert_eq!((a.len(), a.num_bytes()), (0, 0));
-        assert_eq!(a.to_vec().unwrap(), Vec::<f32>::new());
-        let b = Array::<u8>::from_slice(dev, &[], 0).unwrap();
-        assert!(b.is_empty());
-        assert_eq!(stats(name), Default::default());
-        let scalar = Array::from_slice(dev, &[3i64], Shape::scalar()).unwrap();
-        assert_eq!((scalar.len(), scalar.to_vec().unwrap()), (1, vec![3]));
-    });
-}
-
-#[test]
 fn a_missing_gpu_is_a_typed_error() {
     let err = Array::<f32>::zeros(Device::Cuda(99), 4).unwrap_err();
     assert!(err.to_string().contains("cuda:99"), "{err}");
     assert!(Device::cuda(99).is_err());
-}
-
-#[test]
-fn host_access_to_a_device_array_is_refused() {
-    let _shared = common::shared();
-    let dev = common::devices().into_iter().find(|d| d.is_cuda());
-    let Some(dev) = dev else { return };
-    let mut a = Array::<f32>::zeros(dev, 4).unwrap();
-    assert!(matches!(a.as_slice(), Err(Error::NotHostAccessible { .. })));
-    assert!(matches!(
-        a.as_mut_slice(),
-        Err(Error::NotHostAccessible { .. })
-    ));
 }
 
 #[test]

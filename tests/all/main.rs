@@ -6,11 +6,14 @@
 //! * `faults`: allocations failing on purpose (`testing::CountingBackend`);
 //! * `prop_programs`: random operation programs checked against a model after every step;
 //! * `stress`: many threads, many operations;
-//! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary).
+//! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary);
+//! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form.
+//!
+//! `macros_lint` (crate-level lint attributes) and `ui` (trybuild) stay binaries of their own.
 //!
 //! Tests that act on every thread's caches (`empty_cache`, out-of-memory recovery, whole-process
 //! readings) hold `common::serial()`; every other test that checks what a cache holds holds
-//! `common::shared()` (taken by `common::for_each_device`), so the two never overlap.
+//! `common::shared()` (taken by the `common::device_tests!` wrappers), so the two never overlap.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -18,6 +21,7 @@ mod common;
 mod disable;
 mod failures;
 mod faults;
+mod macros;
 mod prop_programs;
 mod semantics;
 mod stress;

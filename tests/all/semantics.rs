@@ -2,21 +2,20 @@
 //!
 //! Nothing here acts on other threads' caches (`empty_cache`, out-of-memory recovery): those
 //! tests hold `common::serial()`, and every test here holds `common::shared()` (through
-//! `for_each_device`), so that they cannot disturb these.
+//! `common::device_tests!`), so that they cannot disturb these.
 
 use crate::common;
 
 use std::thread;
 
-use common::{addr, all_eq, escaping_step, filled, for_each_device};
+use common::{addr, all_eq, escaping_step, filled};
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::{Array, Device, KeyPolicy, Reuse, enter, stats};
 
 const N: usize = 256; // elements per test array: 1 KiB of f32
 
-#[test]
-fn recycles_on_reentry() {
-    for_each_device("recycle", |dev, name| {
+common::device_tests! {
+    fn recycles_on_reentry(dev, name) {
         let mut seen = Vec::new();
         for step in 0..5 {
             let _scope = enter(name);
@@ -43,12 +42,9 @@ fn recycles_on_reentry() {
                 assert_eq!(pair, first, "every step reuses the same two buffers");
             }
         }
-    });
-}
+    }
 
-#[test]
-fn keys_separate_by_dtype_and_shape() {
-    for_each_device("keys", |dev, name| {
+    fn keys_separate_by_dtype_and_shape(dev, name) {
         {
             let _scope = enter(name);
             Array::<f32>::zeros(dev, [4, 4]).unwrap();
@@ -62,12 +58,9 @@ fn keys_separate_by_dtype_and_shape() {
         assert_eq!(same_bytes_other_shape.shape().dims(), &[16]);
         assert_eq!(same_shape_other_dtype.dtype(), gpucache::DType::U32);
         assert_eq!(same_key.shape().dims(), &[4, 4]);
-    });
-}
+    }
 
-#[test]
-fn zeros_zeroes_a_recycled_buffer_and_empty_recycles_it() {
-    for_each_device("zeros", |dev, name| {
+    fn zeros_zeroes_a_recycled_buffer_and_empty_recycles_it(dev, name) {
         {
             let _scope = enter(name);
             filled(dev, 7.5f32, N);
@@ -82,12 +75,9 @@ fn zeros_zeroes_a_recycled_buffer_and_empty_recycles_it() {
         let z = Array::<f32>::zeros(dev, N).unwrap();
         assert_eq!(stats(name).hits, 2);
         assert!(all_eq(&z, 0.0), "zeros must clear a recycled buffer");
-    });
-}
+    }
 
-#[test]
-fn bool_arrays_from_recycled_bytes_are_valid() {
-    for_each_device("bools", |dev, name| {
+    fn bool_arrays_from_recycled_bytes_are_valid(dev, name) {
         common::configure(name, |c| c.key = KeyPolicy::SizeClass);
         {
             let _scope = enter(name);
@@ -101,12 +91,9 @@ fn bool_arrays_from_recycled_bytes_are_valid() {
             "the u8 buffer is recycled for the bools"
         );
         assert!(all_eq(&b, false), "bool arrays never expose recycled bytes");
-    });
-}
+    }
 
-#[test]
-fn escaped_array_is_never_recycled_while_alive_and_comes_home() {
-    for_each_device("escape", |dev, name| {
+    fn escaped_array_is_never_recycled_while_alive_and_comes_home(dev, name) {
         let kept = escaping_step(dev, name, 42.0);
         for step in 0..10 {
             let other = escaping_step(dev, name, step as f32);
@@ -129,27 +116,9 @@ fn escaped_array_is_never_recycled_while_alive_and_comes_home() {
             after.device_frees, 0,
             "it came home, not back to the device"
         );
-    });
-}
-
-#[test]
-fn allocations_outside_any_scope_are_not_cached() {
-    let _shared = common::shared();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
-    assert_eq!(gpucache::current_scope(), None);
-    for _ in 0..3 {
-        let a = Array::<f32>::zeros(Device::Cpu, N).unwrap();
-        assert_eq!(backend.outstanding_bytes(), 1024);
-        drop(a);
-        assert_eq!(backend.outstanding_bytes(), 0, "freed at once, not cached");
     }
-    assert_eq!((backend.allocs(), backend.frees()), (3, 3));
-}
 
-#[test]
-fn nested_scopes_route_to_the_innermost() {
-    for_each_device("nest", |dev, name| {
+    fn nested_scopes_route_to_the_innermost(dev, name) {
         let outer = format!("{name}/outer");
         let inner = format!("{name}/inner");
         let _o = enter(&outer);
@@ -169,26 +138,9 @@ fn nested_scopes_route_to_the_innermost() {
             2048,
             "inner exited: its buffers are free"
         );
-    });
-}
-
-fn recurse(dev: Device, name: &str, depth: usize) {
-    let _scope = enter(name);
-    let a = filled(dev, depth as f32, N);
-    if depth > 0 {
-        recurse(dev, name, depth - 1);
-        assert_eq!(
-            stats(name).bytes_cached,
-            0,
-            "inner exits do not free buffers"
-        );
     }
-    assert!(all_eq(&a, depth as f32), "a buffer was handed out twice");
-}
 
-#[test]
-fn one_name_entered_recursively() {
-    for_each_device("recursive", |dev, name| {
+    fn one_name_entered_recursively(dev, name) {
         recurse(dev, name, 3);
         let first = stats(name);
         assert_eq!((first.misses, first.hits), (4, 0));
@@ -201,12 +153,9 @@ fn one_name_entered_recursively() {
         let second = stats(name);
         assert_eq!((second.misses, second.hits), (4, 4));
         assert_eq!(gpucache::current_scope(), None);
-    });
-}
+    }
 
-#[test]
-fn invalidate_frees_free_lists_and_keeps_live_arrays_valid() {
-    for_each_device("invalidate", |dev, name| {
+    fn invalidate_frees_free_lists_and_keeps_live_arrays_valid(dev, name) {
         let live = escaping_step(dev, name, 3.0);
         let s = stats(name);
         assert_eq!((s.bytes_in_use, s.bytes_cached), (1024, 1024));
@@ -226,12 +175,9 @@ fn invalidate_frees_free_lists_and_keeps_live_arrays_valid() {
         // The next step allocates afresh.
         drop(escaping_step(dev, name, 4.0));
         assert_eq!(stats(name).misses, 4);
-    });
-}
+    }
 
-#[test]
-fn invalidate_inside_an_active_scope() {
-    for_each_device("invalidate-active", |dev, name| {
+    fn invalidate_inside_an_active_scope(dev, name) {
         let _scope = enter(name);
         drop(filled(dev, 1.0f32, N));
         assert_eq!(
@@ -242,12 +188,9 @@ fn invalidate_inside_an_active_scope() {
         gpucache::invalidate(name);
         let s = stats(name);
         assert_eq!((s.bytes_in_use, s.bytes_cached, s.device_frees), (0, 0, 1));
-    });
-}
+    }
 
-#[test]
-fn panic_unwinding_restores_the_thread_and_arrays_come_home() {
-    for_each_device("panic", |dev, name| {
+    fn panic_unwinding_restores_the_thread_and_arrays_come_home(dev, name) {
         let result = std::panic::catch_unwind(|| {
             let _scope = enter(name);
             let _a = filled(dev, 1.0f32, N);
@@ -269,12 +212,9 @@ fn panic_unwinding_restores_the_thread_and_arrays_come_home() {
             1,
             "the array dropped while unwinding is recycled"
         );
-    });
-}
+    }
 
-#[test]
-fn caches_are_per_thread() {
-    for_each_device("per-thread", |dev, name| {
+    fn caches_are_per_thread(dev, name) {
         let worker = |steps: u64| {
             let name = name.to_owned();
             move || {
@@ -297,12 +237,9 @@ fn caches_are_per_thread() {
             Default::default(),
             "this thread's cache is untouched"
         );
-    });
-}
+    }
 
-#[test]
-fn an_array_dropped_on_another_thread_returns_home() {
-    for_each_device("cross-thread", |dev, name| {
+    fn an_array_dropped_on_another_thread_returns_home(dev, name) {
         let escaped = escaping_step(dev, name, 9.0);
         let before = stats(name);
         thread::spawn(move || {
@@ -318,35 +255,9 @@ fn an_array_dropped_on_another_thread_returns_home() {
         let _a = Array::<f32>::zeros(dev, N).unwrap();
         let _b = Array::<f32>::zeros(dev, N).unwrap();
         assert_eq!(stats(name).hits, before.hits + 2, "both buffers recycled");
-    });
-}
+    }
 
-#[test]
-fn an_array_outliving_its_home_thread_is_freed_when_dropped() {
-    let _shared = common::shared();
-    let backend = CountingBackend::new();
-    let escaped = thread::scope(|s| {
-        s.spawn(|| {
-            let _installed = use_backend(&backend);
-            escaping_step(Device::Cpu, "orphan", 5.0)
-        })
-        .join()
-        .unwrap()
-    });
-    assert_eq!(
-        backend.outstanding_bytes(),
-        1024,
-        "the home thread's cache was released"
-    );
-    assert!(all_eq(&escaped, 5.0));
-    drop(escaped);
-    assert_eq!(backend.outstanding_bytes(), 0);
-    assert_eq!(backend.allocs(), backend.frees());
-}
-
-#[test]
-fn reuse_immediate_recycles_within_the_scope() {
-    for_each_device("immediate", |dev, name| {
+    fn reuse_immediate_recycles_within_the_scope(dev, name) {
         let on_exit = format!("{name}/on-exit");
         for (cache, reuse, misses) in [(name, Reuse::Immediate, 1), (&*on_exit, Reuse::OnExit, 3)] {
             common::configure(cache, |c| c.reuse = reuse);
@@ -357,12 +268,9 @@ fn reuse_immediate_recycles_within_the_scope() {
             let s = stats(cache);
             assert_eq!((s.misses, s.hits), (misses, 3 - misses), "{reuse:?}");
         }
-    });
-}
+    }
 
-#[test]
-fn max_cached_bytes_evicts_least_recently_used() {
-    for_each_device("lru", |dev, name| {
+    fn max_cached_bytes_evicts_least_recently_used(dev, name) {
         common::configure(name, |c| c.max_cached_bytes = Some(3 * 1024));
         let shapes = [[N, 1], [1, N], [N / 2, 2], [2, N / 2]];
         {
@@ -388,12 +296,9 @@ fn max_cached_bytes_evicts_least_recently_used() {
             5,
             "the least recently freed was evicted"
         );
-    });
-}
+    }
 
-#[test]
-fn lowering_the_cap_evicts_at_once() {
-    for_each_device("cap-lowered", |dev, name| {
+    fn lowering_the_cap_evicts_at_once(dev, name) {
         {
             let _scope = enter(name);
             let _a = Array::<f32>::zeros(dev, N).unwrap();
@@ -403,12 +308,9 @@ fn lowering_the_cap_evicts_at_once() {
         common::configure(name, |c| c.max_cached_bytes = Some(0));
         let s = stats(name);
         assert_eq!((s.bytes_cached, s.evictions), (0, 2));
-    });
-}
+    }
 
-#[test]
-fn size_classes_share_buffers_across_shapes_and_dtypes() {
-    for_each_device("size-class", |dev, name| {
+    fn size_classes_share_buffers_across_shapes_and_dtypes(dev, name) {
         common::configure(name, |c| c.key = KeyPolicy::SizeClass);
         {
             let _scope = enter(name);
@@ -425,12 +327,9 @@ fn size_classes_share_buffers_across_shapes_and_dtypes() {
         assert!(all_eq(&a, 0));
         let _b = Array::<u8>::zeros(dev, 1500).unwrap(); // class 1536
         assert_eq!(stats(name).misses, 2);
-    });
-}
+    }
 
-#[test]
-fn changing_the_key_policy_invalidates() {
-    for_each_device("rekey", |dev, name| {
+    fn changing_the_key_policy_invalidates(dev, name) {
         let live = escaping_step(dev, name, 2.0);
         common::configure(name, |c| c.key = KeyPolicy::SizeClass);
         let s = stats(name);
@@ -442,7 +341,59 @@ fn changing_the_key_policy_invalidates() {
             0,
             "old-generation buffers are freed"
         );
+    }
+}
+
+#[test]
+fn allocations_outside_any_scope_are_not_cached() {
+    let _shared = common::shared();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    assert_eq!(gpucache::current_scope(), None);
+    for _ in 0..3 {
+        let a = Array::<f32>::zeros(Device::Cpu, N).unwrap();
+        assert_eq!(backend.outstanding_bytes(), 1024);
+        drop(a);
+        assert_eq!(backend.outstanding_bytes(), 0, "freed at once, not cached");
+    }
+    assert_eq!((backend.allocs(), backend.frees()), (3, 3));
+}
+
+fn recurse(dev: Device, name: &str, depth: usize) {
+    let _scope = enter(name);
+    let a = filled(dev, depth as f32, N);
+    if depth > 0 {
+        recurse(dev, name, depth - 1);
+        assert_eq!(
+            stats(name).bytes_cached,
+            0,
+            "inner exits do not free buffers"
+        );
+    }
+    assert!(all_eq(&a, depth as f32), "a buffer was handed out twice");
+}
+
+#[test]
+fn an_array_outliving_its_home_thread_is_freed_when_dropped() {
+    let _shared = common::shared();
+    let backend = CountingBackend::new();
+    let escaped = thread::scope(|s| {
+        s.spawn(|| {
+            let _installed = use_backend(&backend);
+            escaping_step(Device::Cpu, "orphan", 5.0)
+        })
+        .join()
+        .unwrap()
     });
+    assert_eq!(
+        backend.outstanding_bytes(),
+        1024,
+        "the home thread's cache was released"
+    );
+    assert!(all_eq(&escaped, 5.0));
+    drop(escaped);
+    assert_eq!(backend.outstanding_bytes(), 0);
+    assert_eq!(backend.allocs(), backend.frees());
 }
 
 #[test]

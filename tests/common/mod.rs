@@ -4,36 +4,90 @@
 pub mod pattern;
 
 use std::cell::Cell;
-use std::sync::{Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use gpucache::{Array, CacheConfig, Device, Element, Shape, enter};
 
-/// The devices a device-generic test runs on: the CPU, and CUDA GPU 0 when this build has the
-/// `cuda` feature and a GPU is present. With `GPUCACHE_REQUIRE_GPU=1` a missing GPU is a test
-/// failure instead of a skip.
-pub fn devices() -> Vec<Device> {
-    static NOTICE: Once = Once::new();
+/// Declares tests that run on every device. Each `fn name(dev, cache) { body }` becomes
+///
+/// * a function `name(dev: Device, cache: &str)`, where `cache` is a cache name unique to the
+///   test and the device;
+/// * a `#[test]` `on_cpu::name` that runs it on `Device::Cpu` (holding [`shared`]);
+/// * an entry of the module's `DEVICE_TESTS`, which the GPU harness (`tests/cuda`) runs on the
+///   GPU, where it shows as ignored when there is no GPU.
+macro_rules! device_tests {
+    ($($(#[doc = $doc:literal])* fn $name:ident($dev:ident, $cache:ident) $body:block)*) => {
+        $(
+            $(#[doc = $doc])*
+            pub fn $name($dev: gpucache::Device, $cache: &str) $body
+        )*
+
+        /// Every device test of this module, for the GPU harness.
+        #[allow(dead_code)] // the CPU binary runs them through `on_cpu`
+        pub const DEVICE_TESTS: &[(&str, fn(gpucache::Device, &str))] =
+            &[$((stringify!($name), $name)),*];
+
+        mod on_cpu {
+            $(
+                #[test]
+                fn $name() {
+                    crate::common::on_device(gpucache::Device::Cpu, stringify!($name), super::$name);
+                }
+            )*
+        }
+    };
+}
+pub(crate) use device_tests;
+
+/// Runs a test of [`device_tests!`] on `dev`, holding [`shared`].
+pub fn on_device(dev: Device, test: &str, f: fn(Device, &str)) {
+    let _shared = shared();
+    f(dev, &format!("{test}@{dev}"));
+}
+
+/// What a GPU test returns.
+pub type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// CUDA device 0, or why it cannot be used. With `GPUCACHE_REQUIRE_GPU=1` a missing GPU panics
+/// (the GPU machine must never skip a GPU test).
+pub fn gpu() -> Result<Device, String> {
     match Device::cuda(0) {
-        Ok(gpu) => vec![Device::Cpu, gpu],
+        Ok(dev) => Ok(dev),
         Err(e) => {
             assert!(
                 std::env::var_os("GPUCACHE_REQUIRE_GPU").is_none_or(|v| v != "1"),
                 "GPUCACHE_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"
             );
-            NOTICE.call_once(|| eprintln!("notice: GPU variants of the tests skipped: {e}"));
-            vec![Device::Cpu]
+            eprintln!("notice: the GPU tests are ignored: {e}");
+            Err(e.to_string())
         }
     }
 }
 
-/// Runs `test` once per device of [`devices`], with a cache name unique to the test and the
-/// device (tests of one binary may share a thread when run with `--test-threads=1`).
-pub fn for_each_device(test: &str, f: impl Fn(Device, &str)) {
-    let _shared = shared();
-    for dev in devices() {
-        let name = format!("{test}@{dev}");
-        f(dev, &name);
+/// A libtest-mimic trial that runs `test` on the GPU, or is listed as ignored without one.
+#[allow(dead_code)] // only the GPU harnesses use it
+pub fn gpu_trial(
+    name: String,
+    gpu: &Result<Device, String>,
+    test: impl FnOnce(Device) -> TestResult + Send + 'static,
+) -> libtest_mimic::Trial {
+    match *gpu {
+        Ok(dev) => libtest_mimic::Trial::test(name, move || test(dev).map_err(failed)),
+        Err(_) => libtest_mimic::Trial::test(name, || Ok(())).with_ignored_flag(true),
     }
+}
+
+/// A libtest-mimic trial that needs no GPU.
+#[allow(dead_code)] // only the GPU harnesses use it
+pub fn host_trial(name: String, test: fn()) -> libtest_mimic::Trial {
+    libtest_mimic::Trial::test(name, move || {
+        test();
+        Ok(())
+    })
+}
+
+fn failed(e: Box<dyn std::error::Error>) -> libtest_mimic::Failed {
+    format!("{e} ({e:?})").into()
 }
 
 /// An array of `shape` on `dev` with every element `value`.

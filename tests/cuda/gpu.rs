@@ -1,12 +1,12 @@
 //! GPU-level checks of the CUDA backend: kernels on cached arrays, zeroing of recycled buffers,
 //! escaping arrays, cross-stream reuse, out-of-memory recovery, `bool` copies, streams.
 //!
-//! Each GPU test skips with a notice when no CUDA GPU is usable, and fails instead when
-//! `GPUCACHE_REQUIRE_GPU=1`. Under `GPUCACHE_DISABLE=1` (caching off, for compute-sanitizer) the
-//! tests check the values and that nothing was cached instead of the hit counts.
+//! `TESTS` need a GPU (the harness in `main.rs` lists them as ignored without one);
+//! `HOST_TESTS` run everywhere. Under `GPUCACHE_DISABLE=1` (caching off, for compute-sanitizer)
+//! the tests check the values and that nothing was cached instead of the hit counts.
 
 use std::error::Error as StdError;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use gpucache::cuda::cudarc::driver::sys::CUresult;
 use gpucache::cuda::cudarc::driver::{
@@ -15,24 +15,7 @@ use gpucache::cuda::cudarc::driver::{
 use gpucache::cuda::cudarc::nvrtc::compile_ptx;
 use gpucache::{Array, CacheConfig, Device, Error, enter, stats};
 
-type TestResult = Result<(), Box<dyn StdError>>;
-
-/// CUDA GPU 0 with the GPU tests' lock held, or `None` (after a notice) when there is none.
-fn gpu() -> Option<(Device, MutexGuard<'static, ()>)> {
-    // The tests share one GPU, and the out-of-memory tests need all of it.
-    static LOCK: Mutex<()> = Mutex::new(());
-    match Device::cuda(0) {
-        Ok(dev) => Some((dev, LOCK.lock().unwrap_or_else(|p| p.into_inner()))),
-        Err(e) => {
-            assert!(
-                std::env::var_os("GPUCACHE_REQUIRE_GPU").is_none_or(|v| v != "1"),
-                "GPUCACHE_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e:?}"
-            );
-            eprintln!("notice: GPU test skipped, no usable CUDA device: {e:?}");
-            None
-        }
-    }
-}
+use crate::common::TestResult;
 
 /// Whether caching is on (`GPUCACHE_DISABLE=1` turns it off).
 fn caching() -> bool {
@@ -115,7 +98,6 @@ fn current(dev: Device) -> Arc<CudaStream> {
     gpucache::cuda::current_stream(dev).expect("current stream")
 }
 
-#[test]
 fn device_errors_are_typed() {
     match Device::cuda(100_000) {
         Err(Error::CudaDeviceNotFound { device, .. } | Error::CudaDriverNotFound { device }) => {
@@ -132,7 +114,6 @@ fn device_errors_are_typed() {
     assert_eq!(driver.0, CUresult::CUDA_ERROR_INVALID_VALUE);
 }
 
-#[test]
 fn cpu_arrays_are_refused_by_cuda_methods() {
     let mut a = Array::<f32>::zeros(Device::Cpu, 4).unwrap();
     assert!(matches!(
@@ -155,11 +136,7 @@ fn cpu_arrays_are_refused_by_cuda_methods() {
     ));
 }
 
-#[test]
-fn kernels_write_cached_arrays_and_values_round_trip() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn kernels_write_cached_arrays_and_values_round_trip(dev: Device) -> TestResult {
     let stream = current(dev);
     let n = 10_000;
     let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
@@ -189,11 +166,7 @@ fn kernels_write_cached_arrays_and_values_round_trip() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn zeros_zeroes_a_recycled_buffer_on_the_gpu() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn zeros_zeroes_a_recycled_buffer_on_the_gpu(dev: Device) -> TestResult {
     let stream = current(dev);
     let n = 1 << 20;
     let first = {
@@ -226,11 +199,7 @@ fn zeros_zeroes_a_recycled_buffer_on_the_gpu() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn an_escaped_array_is_not_overwritten_by_later_steps() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn an_escaped_array_is_not_overwritten_by_later_steps(dev: Device) -> TestResult {
     let stream = current(dev);
     let n = 4096;
     let step = |v: f32| -> Result<Array<f32>, Box<dyn StdError>> {
@@ -260,11 +229,7 @@ fn an_escaped_array_is_not_overwritten_by_later_steps() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn cross_stream_reuse_waits_for_the_marked_stream() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
     let ctx = gpucache::cuda::context(dev)?;
     let side = ctx.new_stream()?; // B: reads the array
     let signal = ctx.new_stream()?; // C: releases B's kernel
@@ -356,11 +321,7 @@ fn cross_stream_reuse_waits_for_the_marked_stream() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn a_buffer_recycled_on_another_stream_moves_to_it() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn a_buffer_recycled_on_another_stream_moves_to_it(dev: Device) -> TestResult {
     let ctx = gpucache::cuda::context(dev)?;
     let (s1, s2) = (ctx.new_stream()?, ctx.new_stream()?);
     let n = 1 << 18;
@@ -382,11 +343,7 @@ fn a_buffer_recycled_on_another_stream_moves_to_it() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn out_of_memory_releases_the_cache_and_reports_a_typed_error() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn out_of_memory_releases_the_cache_and_reports_a_typed_error(dev: Device) -> TestResult {
     let (_, total) = gpucache::cuda::mem_get_info(dev)?;
     let cached = 1usize << 30;
     {
@@ -420,11 +377,7 @@ fn out_of_memory_releases_the_cache_and_reports_a_typed_error() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn releasing_the_cache_lets_a_tight_allocation_succeed() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn releasing_the_cache_lets_a_tight_allocation_succeed(dev: Device) -> TestResult {
     if !caching() {
         return Ok(()); // nothing is cached to release
     }
@@ -444,11 +397,7 @@ fn releasing_the_cache_lets_a_tight_allocation_succeed() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread(dev: Device) -> TestResult {
     if !caching() {
         return Ok(()); // nothing goes through a cache
     }
@@ -480,11 +429,7 @@ fn out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread() -> TestResu
     Ok(())
 }
 
-#[test]
-fn bool_arrays_read_any_nonzero_byte_as_true() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn bool_arrays_read_any_nonzero_byte_as_true(dev: Device) -> TestResult {
     let stream = current(dev);
     let b = Array::from_slice(dev, &[true, false, true], 3)?;
     assert_eq!(b.to_vec()?, [true, false, true]);
@@ -499,11 +444,7 @@ fn bool_arrays_read_any_nonzero_byte_as_true() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn zero_size_arrays_and_stream_marks() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn zero_size_arrays_and_stream_marks(dev: Device) -> TestResult {
     let stream = current(dev);
     let mut e = Array::<f32>::zeros(dev, [0, 8])?;
     assert_eq!(e.cuda_view()?.len(), 0);
@@ -527,11 +468,7 @@ fn zero_size_arrays_and_stream_marks() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn immediate_reuse_is_stream_ordered() -> TestResult {
-    let Some((dev, _gpu)) = gpu() else {
-        return Ok(());
-    };
+fn immediate_reuse_is_stream_ordered(dev: Device) -> TestResult {
     let stream = current(dev);
     gpucache::configure(
         "cuda-immediate",
@@ -564,3 +501,63 @@ fn immediate_reuse_is_stream_ordered() -> TestResult {
     }
     Ok(())
 }
+
+/// A test that needs a GPU, run on CUDA device 0.
+pub type GpuTest = fn(Device) -> TestResult;
+
+/// The tests that need a GPU.
+pub const TESTS: &[(&str, GpuTest)] = &[
+    (
+        "kernels_write_cached_arrays_and_values_round_trip",
+        kernels_write_cached_arrays_and_values_round_trip,
+    ),
+    (
+        "zeros_zeroes_a_recycled_buffer_on_the_gpu",
+        zeros_zeroes_a_recycled_buffer_on_the_gpu,
+    ),
+    (
+        "an_escaped_array_is_not_overwritten_by_later_steps",
+        an_escaped_array_is_not_overwritten_by_later_steps,
+    ),
+    (
+        "cross_stream_reuse_waits_for_the_marked_stream",
+        cross_stream_reuse_waits_for_the_marked_stream,
+    ),
+    (
+        "a_buffer_recycled_on_another_stream_moves_to_it",
+        a_buffer_recycled_on_another_stream_moves_to_it,
+    ),
+    (
+        "out_of_memory_releases_the_cache_and_reports_a_typed_error",
+        out_of_memory_releases_the_cache_and_reports_a_typed_error,
+    ),
+    (
+        "releasing_the_cache_lets_a_tight_allocation_succeed",
+        releasing_the_cache_lets_a_tight_allocation_succeed,
+    ),
+    (
+        "out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread",
+        out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread,
+    ),
+    (
+        "bool_arrays_read_any_nonzero_byte_as_true",
+        bool_arrays_read_any_nonzero_byte_as_true,
+    ),
+    (
+        "zero_size_arrays_and_stream_marks",
+        zero_size_arrays_and_stream_marks,
+    ),
+    (
+        "immediate_reuse_is_stream_ordered",
+        immediate_reuse_is_stream_ordered,
+    ),
+];
+
+/// The tests that run with or without a GPU.
+pub const HOST_TESTS: &[(&str, fn())] = &[
+    ("device_errors_are_typed", device_errors_are_typed),
+    (
+        "cpu_arrays_are_refused_by_cuda_methods",
+        cpu_arrays_are_refused_by_cuda_methods,
+    ),
+];

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::{self, ThreadId};
 
+use crate::common;
 use gpucache::cache_scope;
 use gpucache::prelude::*;
 
@@ -294,6 +295,7 @@ fn cached_step() -> gpucache::Result<Option<String>> {
 
 #[test]
 fn the_attribute_routes_allocations_through_its_cache() {
+    let _shared = common::shared();
     for _ in 0..3 {
         assert_eq!(cached_step().unwrap(), some("cached_step"));
     }
@@ -507,6 +509,7 @@ async fn async_cached() -> gpucache::Result<()> {
 
 #[test]
 fn async_fn_routes_allocations_through_its_cache() {
+    let _shared = common::shared();
     for _ in 0..3 {
         block_on(async_cached()).unwrap();
     }
@@ -627,6 +630,7 @@ fn future_cached() -> impl Future<Output = gpucache::Result<()>> {
 
 #[test]
 fn fn_returning_a_future_routes_allocations_through_its_cache() {
+    let _shared = common::shared();
     for _ in 0..3 {
         block_on(future_cached()).unwrap();
     }
@@ -876,6 +880,7 @@ fn block_macro_run_time_name_with_an_async_body() {
 
 #[test]
 fn block_macro_run_time_name_routes_allocations_through_its_cache() {
+    let _shared = common::shared();
     let names = ["run time a".to_owned(), "run time b".to_owned()];
     for _ in 0..3 {
         for name in &names {
@@ -888,6 +893,7 @@ fn block_macro_run_time_name_routes_allocations_through_its_cache() {
 
 #[test]
 fn block_macro_routes_allocations_through_its_cache() {
+    let _shared = common::shared();
     for _ in 0..3 {
         let x = cache_scope!(block_cached, alloc()).unwrap();
         drop(x);

@@ -1,0 +1,56 @@
+//! The GPU tests, in a harness of their own (libtest-mimic), so that a machine without a GPU
+//! lists them as *ignored*, with the reason, instead of passing them silently:
+//!
+//! * `semantics::*` and `failures::*`: the device tests of `tests/all` (`common::device_tests!`)
+//!   on CUDA device 0;
+//! * `gpu::*`: GPU-level checks of the CUDA backend (`gpu.rs`), and a few checks of the CUDA
+//!   API that need no GPU (they always run).
+//!
+//! With `GPUCACHE_REQUIRE_GPU=1` (set by the GPU bundle's `run.sh`) a missing GPU fails the run
+//! instead. The tests share one GPU and the out-of-memory tests need all of it, so they run one
+//! at a time.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+// The device tests of the CPU binary, reused here; their CPU-only `#[test]`s are not compiled
+// into this harness, which leaves some of their imports unused.
+#[allow(unused_imports, dead_code)]
+#[path = "../all/failures.rs"]
+mod failures;
+#[allow(unused_imports, dead_code)]
+#[path = "../all/semantics.rs"]
+mod semantics;
+
+mod gpu;
+
+use libtest_mimic::Arguments;
+
+fn main() {
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    let gpu = common::gpu();
+    let mut trials = Vec::new();
+    for (module, tests) in [
+        ("semantics", semantics::DEVICE_TESTS),
+        ("failures", failures::DEVICE_TESTS),
+    ] {
+        for &(name, test) in tests {
+            trials.push(common::gpu_trial(
+                format!("{module}::{name}"),
+                &gpu,
+                move |dev| {
+                    common::on_device(dev, name, test);
+                    Ok(())
+                },
+            ));
+        }
+    }
+    for &(name, test) in gpu::TESTS {
+        trials.push(common::gpu_trial(format!("gpu::{name}"), &gpu, test));
+    }
+    for &(name, test) in gpu::HOST_TESTS {
+        trials.push(common::host_trial(format!("gpu::{name}"), test));
+    }
+    libtest_mimic::run(&args, trials).exit();
+}

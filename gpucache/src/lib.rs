@@ -161,6 +161,8 @@ mod device;
 mod dtype;
 mod error;
 mod instrument;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod registry;
 mod scope;
 mod shape;

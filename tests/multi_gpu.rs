@@ -528,6 +528,7 @@ fn a_collective_on_a_side_stream_orders_the_buffers_reuse() -> TestResult {
                 let _on_side = gpucache::cuda::use_stream(&side)?;
                 comm.all_reduce(&mut g, ReduceOp::Max)?;
             }
+            current(dev).join(&side)?; // reading on the default stream: after the collective
             assert!(g.to_vec()?.iter().all(|&x| x == (1 + step) as f32));
         }
         let s = stats(name);

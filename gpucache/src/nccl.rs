@@ -7,8 +7,11 @@
 //! stream gpucache allocates and recycles the arrays on. So a cached array can be all-reduced
 //! inside a `#[cache_scope]` and recycled by the next step with no synchronisation: the next
 //! step's work on that stream is ordered after the collective. An array whose buffer belongs to
-//! another stream is marked as used on the current one ([`Array::record_stream`]), so its buffer
-//! is not reused before the collective completes.
+//! another stream (it was allocated while another stream was current) is handled as a kernel on
+//! a second stream should be: the collective waits for the array's stream, and the array is
+//! marked as used on the current one ([`Array::record_stream`]), so its buffer is not reused
+//! before the collective completes. Work queued afterwards on the array's own stream must wait
+//! for the current one (`own.join(&current)`), as after any cross-stream launch.
 //!
 //! NCCL is loaded at run time, as the rest of CUDA, so the crate builds without it. cudarc looks
 //! for `libnccl.so` on the library search path; a system that has only `libnccl.so.2` needs a
@@ -59,7 +62,7 @@ use std::marker::PhantomData;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
@@ -338,6 +341,16 @@ impl Comm {
     ) -> Result<()> {
         let stream = self.stream()?;
         let cu_stream = stream.cu_stream() as sys::cudaStream_t;
+        // The collective comes after the work queued on the arrays' own streams.
+        let own_streams = [
+            src.map(|a| DeviceSlice::stream(a)),
+            dst.as_deref().map(|a| DeviceSlice::stream(a)),
+        ];
+        for own in own_streams.into_iter().flatten() {
+            if own.cu_stream() != stream.cu_stream() {
+                stream.join(own)?;
+            }
+        }
         {
             // cudarc's event tracking: wait for earlier writes, record this read/write.
             let (src_ptr, _read) = src.map(|a| a.device_ptr(&stream)).unzip();

@@ -482,6 +482,11 @@ impl Drop for Comm {
 /// send/receive pairs that would otherwise wait on each other (two ranks exchanging arrays).
 /// The group ends even when `f` fails or panics.
 ///
+/// NCCL enqueues a group's work when the group ends, after the calls inside it have returned:
+/// cudarc's read/write events of the arrays (which order work on *other* streams) are recorded
+/// before that work. Work on the current stream is ordered as usual, and buffer reuse is ordered
+/// by gpucache; order other streams after a group explicitly (`other.join(&current)`).
+///
 /// # Errors
 /// [`Error::NcclNotFound`] when NCCL cannot be loaded; `f`'s error; NCCL's errors.
 pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {

@@ -36,9 +36,9 @@ mod mlp;
 use std::process::Command;
 use std::time::Instant;
 
+use gpucache::cache_scope; // the block macro; the prelude brings the attribute
 use gpucache::nccl::{Comm, ReduceOp, UniqueId};
-use gpucache::prelude::cache_scope;
-use gpucache::{Array, Device};
+use gpucache::prelude::*;
 use mlp::{Cached, Dims, Gpu, Mlp, Result, median, mib};
 
 /// The model and the global batch, split over the GPUs.
@@ -91,14 +91,11 @@ impl Rank {
     }
 }
 
+/// A batch: inputs and targets.
+type Batch = (Array<f32>, Array<f32>);
+
 /// One data-parallel step: this rank's gradients, averaged over the ranks, applied.
-fn ddp_step(
-    r: &Rank,
-    model: &mut Mlp,
-    x: &Array<f32>,
-    y: &Array<f32>,
-    loss: &mut Array<f32>,
-) -> Result<()> {
+fn ddp_step(r: &Rank, model: &mut Mlp, (x, y): &Batch, loss: &mut Array<f32>) -> Result<()> {
     let mut grads = model.gradients(&Cached(r.gpu.dev), &r.gpu, x, y, loss)?;
     // One NCCL group: the four all-reduces are launched together.
     gpucache::nccl::group(|| {
@@ -113,26 +110,8 @@ fn ddp_step(
 
 /// [`ddp_step`] in the `ddp_step` scope: its activations and gradients are recycled.
 #[cache_scope(ddp_step)]
-fn cached_ddp_step(
-    r: &Rank,
-    model: &mut Mlp,
-    x: &Array<f32>,
-    y: &Array<f32>,
-    loss: &mut Array<f32>,
-) -> Result<()> {
-    ddp_step(r, model, x, y, loss)
-}
-
-/// The single-GPU reference step on the whole global batch, in its own scope.
-#[cache_scope(single_step)]
-fn single_step(
-    gpu: &Gpu,
-    model: &mut Mlp,
-    x: &Array<f32>,
-    y: &Array<f32>,
-    loss: &mut Array<f32>,
-) -> Result<()> {
-    model.step(&Cached(gpu.dev), gpu, x, y, loss, LEARNING_RATE)
+fn cached_ddp_step(r: &Rank, model: &mut Mlp, batch: &Batch, loss: &mut Array<f32>) -> Result<()> {
+    ddp_step(r, model, batch, loss)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -168,18 +147,24 @@ impl Run {
     }
 
     /// One epoch of `steps` steps over `data`; the loss is averaged over the ranks.
-    fn epoch(&mut self, r: &Rank, data: &[(Array<f32>, Array<f32>)], steps: usize) -> Result<()> {
+    fn epoch(&mut self, r: &Rank, data: &[Batch], steps: usize) -> Result<()> {
         let gpu = &r.gpu;
         let mut loss = Array::<f32>::zeros(gpu.dev, 1)?;
         let mut times = Vec::with_capacity(steps);
         gpu.stream.synchronize()?;
         for i in 0..steps {
-            let (x, y) = &data[i % data.len()];
+            let batch = &data[i % data.len()];
+            let (x, y) = batch;
             let start = Instant::now();
             match self.kind {
-                Kind::Single => single_step(gpu, &mut self.model, x, y, &mut loss)?,
-                Kind::DdpCached => cached_ddp_step(r, &mut self.model, x, y, &mut loss)?,
-                Kind::DdpUncached => ddp_step(r, &mut self.model, x, y, &mut loss)?,
+                // The single-GPU reference step on the whole global batch, in its own scope.
+                Kind::Single => cache_scope!(single_step, {
+                    let alloc = Cached(gpu.dev);
+                    self.model
+                        .step(&alloc, gpu, x, y, &mut loss, LEARNING_RATE)?
+                }),
+                Kind::DdpCached => cached_ddp_step(r, &mut self.model, batch, &mut loss)?,
+                Kind::DdpUncached => ddp_step(r, &mut self.model, batch, &mut loss)?,
             }
             gpu.stream.synchronize()?;
             times.push(start.elapsed().as_secs_f64() * 1e3);

@@ -53,10 +53,11 @@ const LEARNING_RATE: f32 = 0.05;
 /// Distinct global batches of data; an epoch cycles through them.
 const DATA_BATCHES: usize = 8;
 /// The largest relative difference allowed between a data-parallel epoch loss and the
-/// single-GPU one. The two compute the same gradients in exact arithmetic, but not with the
-/// same float roundings: cuBLAS multiplies a 1024-row shard with other kernels than a
-/// 2048-row batch, and the ranks' halves are summed by NCCL. With one GPU in the data-parallel
-/// run (`GPUS` = 1) the shard is the whole batch and the trajectories agree far more closely.
+/// single-GPU one. The two compute the same gradients in exact arithmetic, but not with the same
+/// float roundings (cuBLAS multiplies a 1024-row shard with other kernels than a 2048-row batch,
+/// and NCCL sums the ranks' halves). Measured on two H200s: within 5.2e-3 on 2 GPUs, within
+/// 1e-5 with one GPU in the data-parallel run (`GPUS` = 1: the shard is the whole batch and the
+/// all-reduce is the identity).
 const TOLERANCE: f32 = 1e-2;
 
 /// The environment of a rank started by the `processes` launcher.

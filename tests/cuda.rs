@@ -445,6 +445,42 @@ fn releasing_the_cache_lets_a_tight_allocation_succeed() -> TestResult {
 }
 
 #[test]
+fn out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread() -> TestResult {
+    let Some((dev, _gpu)) = gpu() else {
+        return Ok(());
+    };
+    if !caching() {
+        return Ok(()); // nothing goes through a cache
+    }
+    let size = 4usize << 30;
+    let (to, from) = std::sync::mpsc::channel();
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::spawn(move || -> Result<gpucache::CacheStats, Error> {
+        {
+            let _scope = enter("cuda-oom-returned");
+            to.send(Array::<u8>::empty(dev, size)?).expect("main waits");
+            // Blocked inside its scope: the worker takes nothing in meanwhile.
+            wait.recv().expect("main signals");
+        }
+        Ok(stats("cuda-oom-returned"))
+    });
+    // Dropped here, the buffer goes to the worker cache's return queue.
+    drop(from.recv()?);
+    current(dev).synchronize()?;
+    let (free, _) = gpucache::cuda::mem_get_info(dev)?;
+    // Fits only once the returned 4 GiB are given back to the device.
+    let want = free + size / 2;
+    let a = Array::<u8>::empty(dev, want)?;
+    assert_eq!(a.len(), want);
+    drop(a);
+    go.send(())?;
+    let s = worker.join().expect("worker")?;
+    assert_eq!((s.device_allocs, s.device_frees), (1, 1), "{s}");
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s}");
+    Ok(())
+}
+
+#[test]
 fn bool_arrays_read_any_nonzero_byte_as_true() -> TestResult {
     let Some((dev, _gpu)) = gpu() else {
         return Ok(());

@@ -11,7 +11,7 @@ use std::thread;
 
 use common::{all_eq, escaping_step, filled, for_each_device, serial};
 use gpucache::testing::{CountingBackend, use_backend};
-use gpucache::{Array, Device, Error, Reuse, Shape, enter, stats};
+use gpucache::{Array, DType, Device, Error, Reuse, Shape, enter, stats};
 
 #[test]
 fn shape_overflow_is_a_typed_error() {
@@ -29,6 +29,67 @@ fn shape_overflow_is_a_typed_error() {
         assert_eq!(stats(name).misses + stats(name).hits, 0);
     });
     assert!(Shape::from([usize::MAX, usize::MAX]).numel().is_err());
+}
+
+#[test]
+fn shape_overflow_names_the_element_type() {
+    let err = Array::<f32>::from_slice(Device::Cpu, &[], [usize::MAX / 2, 3]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ShapeOverflow {
+                dtype: Some(DType::F32),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("of f32"), "{err}");
+    let err = Shape::from([usize::MAX, 2]).numel().unwrap_err();
+    assert!(
+        matches!(err, Error::ShapeOverflow { dtype: None, .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn the_largest_requests_are_shape_overflows_not_out_of_memory() {
+    for bytes in [isize::MAX as usize, isize::MAX as usize - 10] {
+        for init in 0..2 {
+            let err = match init {
+                0 => Array::<u8>::zeros(Device::Cpu, bytes).unwrap_err(),
+                _ => Array::<u8>::empty(Device::Cpu, bytes).unwrap_err(),
+            };
+            assert!(
+                matches!(
+                    err,
+                    Error::ShapeOverflow {
+                        dtype: Some(DType::U8),
+                        ..
+                    }
+                ),
+                "{bytes}: {err:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn backend_guards_dropped_out_of_order_keep_the_right_backend() {
+    let _serial = serial();
+    let (a, b) = (CountingBackend::new(), CountingBackend::new());
+    let guard_a = use_backend(&a);
+    let guard_b = use_backend(&b);
+    drop(guard_a); // out of order: b stays installed
+    drop(Array::<u8>::zeros(Device::Cpu, 10).unwrap());
+    assert_eq!((a.allocs(), b.allocs()), (0, 1));
+    drop(guard_b); // now neither
+    drop(Array::<u8>::zeros(Device::Cpu, 10).unwrap());
+    assert_eq!((a.allocs(), b.allocs()), (0, 1));
+    let guard_a = use_backend(&a);
+    drop(Array::<u8>::zeros(Device::Cpu, 10).unwrap());
+    assert_eq!((a.allocs(), b.allocs()), (1, 1));
+    drop(guard_a);
 }
 
 #[test]

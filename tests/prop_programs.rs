@@ -1,17 +1,21 @@
-//! Random programs of cache operations, checked after every step against a model of DESIGN §4.
+//! Random programs of cache operations, checked after every step against a model of the cache's
+//! rules (see the crate docs' "Semantics" and "Threads").
 //!
 //! A program enters and exits scopes of three cache names (nested, recursive, and exited out of
 //! order), allocates arrays of five element types and small shapes (zero-size and scalars
 //! included) with every constructor, drops them here or on a helper thread, invalidates,
-//! reconfigures (reuse, key policy, byte cap), empties every cache and reads stats. The model
-//! keeps what the design promises: which buffers are free in which cache, which are waiting for
-//! their scope to exit, and which arrays are alive. After every step the test checks that
+//! reconfigures (reuse, key policy, byte cap), empties every cache, allocates through an
+//! out-of-memory recovery and reads stats. The model keeps what the rules promise: which buffers
+//! are free in which cache, which are waiting for their scope to exit, which were returned by the
+//! helper thread and not yet taken in, and which arrays are alive. After every step the test
+//! checks, through `snapshot()` (which takes nothing in, unlike `stats()`), that
 //!
 //! * no two live arrays share storage, and each still holds the pattern written at allocation;
 //! * every counter of every cache equals the model's (so `hits + misses` is the number of
 //!   non-empty allocations made inside the cache's scopes, `bytes_in_use` the buffers of its live
-//!   arrays plus those dropped inside a still-active `Reuse::OnExit` scope, `bytes_cached` its free
-//!   buffers, all in buffer capacities: size classes round up);
+//!   arrays plus those dropped inside a still-active `Reuse::OnExit` scope and those returned from
+//!   the helper thread and not yet taken in, `bytes_cached` its free buffers, all in buffer
+//!   capacities: size classes round up);
 //! * the backend's outstanding bytes are the caches' bytes plus the live arrays allocated outside
 //!   any scope, and its allocation and free counts are the caches' plus those arrays';
 //!
@@ -102,6 +106,9 @@ enum Op {
     Invalidate(Name),
     Configure(Name, Reuse, KeyPolicy, Option<usize>),
     EmptyCache,
+    /// Allocate as `Alloc`, with the device allocation (if it makes one) failing once: the
+    /// out-of-memory recovery gives back what this thread's caches hold, then retries.
+    AllocAfterOom(Dt, &'static [usize], Init),
     /// Read `stats` and `summary`.
     Stats(Name),
 }
@@ -139,6 +146,7 @@ fn simple_op() -> impl Strategy<Value = Op> {
         )
             .prop_map(|(n, r, k, c)| Op::Configure(n, r, k, c)),
         1 => Just(Op::EmptyCache),
+        1 => array_type().prop_map(|(d, s)| Op::AllocAfterOom(d, s, Init::Zeros)),
         1 => name().prop_map(Op::Stats),
     ]
 }
@@ -405,6 +413,8 @@ struct CacheModel {
     free: VecDeque<(Key, usize)>,
     /// Buffers dropped inside an active `OnExit` scope, in drop order.
     pending: Vec<(Key, usize)>,
+    /// Buffers of arrays dropped on the helper thread, not yet taken in, in drop order.
+    returned: Vec<Home>,
     /// The event counters (hits, misses, device allocs/frees, invalidations, evictions, peak).
     counted: CacheStats,
 }
@@ -438,20 +448,49 @@ impl CacheModel {
         }
     }
 
-    /// The buffer of a dropped array with this home comes back.
-    fn release(&mut self, home: Home) {
+    /// The buffer of a dropped array with this home comes back, while a scope of the cache is
+    /// active or not.
+    fn release(&mut self, home: Home, active: bool) {
         if home.generation != self.generation {
             self.counted.device_frees += 1;
-        } else if self.depth > 0 && self.config.reuse == Reuse::OnExit {
+        } else if active && self.config.reuse == Reuse::OnExit {
             self.pending.push((home.key, home.capacity));
         } else {
             self.push_free((home.key, home.capacity));
         }
     }
 
+    /// The cache takes in the buffers the helper thread returned.
+    fn take_in(&mut self, active: bool) {
+        for home in std::mem::take(&mut self.returned) {
+            self.release(home, active);
+        }
+    }
+
     fn flush(&mut self) {
         self.counted.device_frees += self.free.len() as u64;
         self.free.clear();
+    }
+
+    /// Another thread gives the returned buffers back to the device.
+    fn free_returned(&mut self) {
+        self.counted.device_frees += self.returned.len() as u64;
+        self.returned.clear();
+    }
+
+    /// Out-of-memory recovery on the owner thread: every buffer that no array owns goes back.
+    fn give_back_for_oom(&mut self) {
+        self.free_returned();
+        self.flush();
+        self.counted.device_frees += self.pending.len() as u64;
+        self.pending.clear();
+    }
+
+    fn enter(&mut self) {
+        if self.depth == 0 {
+            self.take_in(false);
+        }
+        self.depth += 1;
     }
 
     fn invalidate(&mut self) {
@@ -465,6 +504,7 @@ impl CacheModel {
     fn exit(&mut self) {
         self.depth -= 1;
         if self.depth == 0 {
+            self.take_in(false);
             for buffer in std::mem::take(&mut self.pending) {
                 self.push_free(buffer);
             }
@@ -477,8 +517,10 @@ struct World {
     backend: Arc<CountingBackend>,
     /// The cache names (each program runs on a fresh thread, whose caches start empty).
     names: [String; 3],
-    /// Caches that exist (entered or configured at least once).
+    /// Caches that exist (entered at least once).
     caches: [Option<CacheModel>; 3],
+    /// The options `configure` set for each name (for caches created later).
+    configs: [CacheConfig; 3],
     stack: Vec<(usize, ScopeGuard)>,
     /// Live arrays, oldest first.
     live: Vec<LiveArray>,
@@ -499,10 +541,16 @@ impl World {
         to_helper: Sender<(AnyArray, u64)>,
         from_helper: Receiver<bool>,
     ) -> World {
+        let names = NAMES.map(|n| format!("prop/{n:?}"));
+        // Options are kept by name for the whole process: start each program from the default.
+        for name in &names {
+            gpucache::configure(name, CacheConfig::default());
+        }
         World {
             backend,
-            names: NAMES.map(|n| format!("prop/{n:?}")),
+            names,
             caches: Default::default(),
+            configs: Default::default(),
             stack: Vec::new(),
             live: Vec::new(),
             steps: Vec::new(),
@@ -515,15 +563,20 @@ impl World {
         }
     }
 
+    /// The model of cache `name`, created (with the name's options) if new.
     fn cache(&mut self, name: Name) -> &mut CacheModel {
-        self.caches[name as usize].get_or_insert_with(CacheModel::default)
+        let config = self.configs[name as usize];
+        self.caches[name as usize].get_or_insert_with(|| CacheModel {
+            config,
+            ..CacheModel::default()
+        })
     }
 
     fn apply(&mut self, op: &Op) {
         match *op {
             Op::Enter(name) => {
                 let guard = gpucache::enter(&self.names[name as usize]);
-                self.cache(name).depth += 1;
+                self.cache(name).enter();
                 self.stack.push((name as usize, guard));
             }
             Op::Exit => {
@@ -536,7 +589,8 @@ impl World {
                     self.exit_at(i % self.stack.len());
                 }
             }
-            Op::Alloc(dt, shape, init) => self.alloc(dt, shape, init),
+            Op::Alloc(dt, shape, init) => self.alloc(dt, shape, init, false),
+            Op::AllocAfterOom(dt, shape, init) => self.alloc(dt, shape, init, true),
             Op::Drop(i) | Op::SendAway(i) => {
                 if !self.live.is_empty() {
                     let live = self.live.remove(i % self.live.len());
@@ -546,6 +600,7 @@ impl World {
             Op::Invalidate(name) => {
                 gpucache::invalidate(&self.names[name as usize]);
                 if let Some(cache) = &mut self.caches[name as usize] {
+                    cache.take_in(false);
                     cache.invalidate();
                 }
             }
@@ -556,16 +611,21 @@ impl World {
                     max_cached_bytes,
                 };
                 gpucache::configure(&self.names[name as usize], config);
-                let cache = self.cache(name);
-                if cache.config.key != key {
-                    cache.invalidate();
+                self.configs[name as usize] = config;
+                if let Some(cache) = &mut self.caches[name as usize] {
+                    if cache.config.key != key {
+                        cache.invalidate();
+                    }
+                    cache.config = config;
+                    cache.evict();
                 }
-                cache.config = config;
-                cache.evict();
             }
             Op::EmptyCache => {
                 gpucache::empty_cache();
-                self.caches.iter_mut().flatten().for_each(CacheModel::flush);
+                for cache in self.caches.iter_mut().flatten() {
+                    cache.free_returned();
+                    cache.flush();
+                }
             }
             Op::Loop { .. } => unreachable!("loops are unrolled"),
             Op::StepStart => self.steps.push(self.next_id),
@@ -584,13 +644,21 @@ impl World {
             }
             Op::Stats(name) => {
                 let full = &self.names[name as usize];
+                let exists = self.caches[name as usize].is_some();
                 let table = gpucache::summary();
-                assert_eq!(
-                    table.contains(full.as_str()),
-                    self.caches[name as usize].is_some(),
-                    "summary of {full}:\n{table}"
-                );
-                // `check` compares the counters.
+                assert!(!exists || table.contains(full.as_str()), "{full}:\n{table}");
+                let program = thread::current();
+                let row = gpucache::snapshot().rows().iter().any(|r| {
+                    !r.exited && Some(r.thread.as_str()) == program.name() && &r.cache == full
+                });
+                assert_eq!(row, exists, "a row for {full} in\n{table}");
+                // `stats` takes in what the helper returned; `check` compares the counters.
+                let actual = gpucache::stats(full);
+                if let Some(cache) = &mut self.caches[name as usize] {
+                    let active = cache.depth > 0;
+                    cache.take_in(active);
+                }
+                assert_eq!(actual, self.expected_stats(name as usize), "stats({full})");
             }
         }
         self.note_peaks();
@@ -602,12 +670,37 @@ impl World {
         self.caches[cache].as_mut().expect("entered").exit();
     }
 
-    fn alloc(&mut self, dt: Dt, shape: &'static [usize], init: Init) {
+    /// Allocates an array; with `oom`, a device allocation it makes fails once first.
+    fn alloc(&mut self, dt: Dt, shape: &'static [usize], init: Init, oom: bool) {
         let id = self.next_id;
         self.next_id += 1;
+        let bytes = shape.iter().product::<usize>() * dt.size();
+        // Whether a device allocation happens (the model decides before the real call, so that
+        // the failure is armed only then), and the free list entry a hit takes.
+        let (device_alloc, hit) = match self.stack.last() {
+            _ if bytes == 0 => (false, None),
+            None => (true, None),
+            Some(&(index, _)) => {
+                let cache = self.caches[index].as_mut().expect("entered");
+                let (key, _) = cache.key(dt, shape, bytes);
+                let find = |c: &CacheModel| c.free.iter().rposition(|f| f.0 == key);
+                // The hit path looks at the free list alone; a miss takes in what the helper
+                // returned and looks again.
+                let at = find(cache).or_else(|| {
+                    cache.take_in(true);
+                    find(cache)
+                });
+                (at.is_none(), at)
+            }
+        };
+        if oom && device_alloc {
+            self.backend.fail_nth(1);
+            for cache in self.caches.iter_mut().flatten() {
+                cache.give_back_for_oom();
+            }
+        }
         let array = AnyArray::new(Device::Cpu, dt, shape, init, id)
             .unwrap_or_else(|e| panic!("allocation {id} failed: {e}"));
-        let bytes = shape.iter().product::<usize>() * dt.size();
         let (home, capacity) = match self.stack.last() {
             _ if bytes == 0 => (None, 0),
             None => {
@@ -618,7 +711,7 @@ impl World {
             Some(&(index, _)) => {
                 let cache = self.caches[index].as_mut().expect("entered");
                 let (key, capacity) = cache.key(dt, shape, bytes);
-                if let Some(at) = cache.free.iter().rposition(|f| f.0 == key) {
+                if let Some(at) = hit {
                     cache.free.remove(at);
                     cache.counted.hits += 1;
                 } else {
@@ -657,10 +750,16 @@ impl World {
             drop(live.array);
         }
         match live.home {
-            Some(home) => self.caches[home.cache]
-                .as_mut()
-                .expect("allocated in it")
-                .release(home),
+            Some(home) => {
+                let cache = self.caches[home.cache].as_mut().expect("allocated in it");
+                if on_helper {
+                    // The helper is not the owner: the buffer waits in the return queue.
+                    cache.returned.push(home);
+                } else {
+                    let active = cache.depth > 0;
+                    cache.release(home, active);
+                }
+            }
             None if live.capacity > 0 => {
                 self.outside_bytes -= live.capacity;
                 self.outside_frees += 1;
@@ -680,7 +779,7 @@ impl World {
     }
 
     /// The bytes cache `i` should count as in use: its live arrays' buffers, of any generation,
-    /// and the buffers waiting for its scope to exit.
+    /// the buffers waiting for its scope to exit and those returned but not taken in.
     fn in_use(&self, i: usize) -> usize {
         let live: usize = self
             .live
@@ -688,10 +787,11 @@ impl World {
             .filter(|l| l.home.is_some_and(|h| h.cache == i))
             .map(|l| l.capacity)
             .sum();
-        let pending = self.caches[i]
-            .as_ref()
-            .map_or(0, |c| c.pending.iter().map(|p| p.1).sum());
-        live + pending
+        let waiting = self.caches[i].as_ref().map_or(0, |c| {
+            let pending: usize = c.pending.iter().map(|p| p.1).sum();
+            pending + c.returned.iter().map(|h| h.capacity).sum::<usize>()
+        });
+        live + waiting
     }
 
     fn expected_stats(&self, i: usize) -> CacheStats {
@@ -711,9 +811,20 @@ impl World {
 
         let mut held = 0;
         let (mut allocs, mut frees) = (self.outside_allocs, self.outside_frees);
+        // Read without taking anything in, so that returned buffers stay where they are.
+        let snapshot = gpucache::snapshot();
+        let program = thread::current();
+        let mine = |name: &str| {
+            snapshot
+                .rows()
+                .iter()
+                .find(|r| !r.exited && Some(r.thread.as_str()) == program.name() && r.cache == name)
+                .map(|r| r.stats)
+                .unwrap_or_default()
+        };
         for i in 0..self.names.len() {
             let expected = self.expected_stats(i);
-            let actual = gpucache::stats(&self.names[i]);
+            let actual = mine(&self.names[i]);
             assert_eq!(actual, expected, "stats of {} {when}", self.names[i]);
             held += expected.bytes_in_use + expected.bytes_cached;
             allocs += expected.device_allocs;

@@ -85,7 +85,8 @@ impl<T: Element> Array<T> {
     /// the errors of [`Array::zeros`].
     pub fn from_slice(device: Device, data: &[T], shape: impl Into<Shape>) -> Result<Self> {
         let shape = shape.into();
-        let expected = shape.numel()?;
+        // The byte size first, so that an overflow names the element type.
+        let expected = shape.byte_len(T::DTYPE)? / mem::size_of::<T>();
         if expected != data.len() {
             return Err(Error::LengthMismatch {
                 dims: shape.dims().to_vec(),
@@ -142,7 +143,7 @@ impl<T: Element> Array<T> {
                 Some((c, Take::Miss { capacity })) => (Some(c), capacity),
                 Some((_, Take::Bypass)) | None => (None, bytes),
             };
-            let block = registry::alloc_block(device, capacity, zero_new)?;
+            let block = registry::alloc_block(device, capacity, bytes, zero_new)?;
             let home = cache.and_then(|c| c.adopt(&req, &block));
             Ok((block, home, false))
         });

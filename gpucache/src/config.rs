@@ -52,7 +52,10 @@ impl KeyPolicy {
     pub(crate) fn capacity(self, bytes: usize) -> usize {
         match self {
             KeyPolicy::Exact => bytes,
-            KeyPolicy::SizeClass => size_class(bytes),
+            // A class above the largest allocation would fail where the array itself fits.
+            KeyPolicy::SizeClass => Some(size_class(bytes))
+                .filter(|&c| c <= crate::shape::MAX_BYTES)
+                .unwrap_or(bytes),
         }
     }
 }

@@ -7,30 +7,30 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What went wrong.
 ///
+/// Messages follow the usual Rust convention: one lowercase clause without a trailing period,
+/// never repeating the [source](std::error::Error::source) (a CUDA driver error is the source
+/// of `Error::Driver`). What to do about an error is in its variant's documentation.
+///
 /// Bad input (a shape whose size overflows, data of the wrong length), a device that is not there
 /// and a device that is out of memory are all reported through this type; gpucache never panics or
 /// aborts on them and never loses memory when it returns one.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The number of elements or bytes of a shape does not fit in `usize` (or exceeds
-    /// `isize::MAX` bytes, the most any Rust allocation or slice can hold).
-    #[error(
-        "shape {dims:?} of {dtype} is too large: its size in bytes overflows the address space \
-         (at most isize::MAX bytes); check the dimensions"
-    )]
+    /// The number of elements or bytes of a shape does not fit in `usize`, or its bytes exceed
+    /// the largest allocation (`isize::MAX` rounded down to 64 bytes). Check the dimensions.
+    #[error("shape {dims:?}{} is too large for one allocation", of_type(*.dtype))]
     ShapeOverflow {
         /// The dimensions that were asked for.
         dims: Vec<usize>,
-        /// The element type.
-        dtype: DType,
+        /// The element type (`None` when the number of elements itself overflows, as reported
+        /// by [`Shape::numel`](crate::Shape::numel)).
+        dtype: Option<DType>,
     },
 
     /// `Array::from_slice` got a slice whose length is not the shape's number of elements.
-    #[error(
-        "data has {got} elements but shape {dims:?} holds {expected}; pass a slice of exactly \
-         {expected} elements or change the shape"
-    )]
+    /// Pass a slice of exactly `expected` elements, or change the shape.
+    #[error("data has {got} elements but shape {dims:?} holds {expected}")]
     LengthMismatch {
         /// The dimensions that were asked for.
         dims: Vec<usize>,
@@ -40,54 +40,51 @@ pub enum Error {
         got: usize,
     },
 
-    /// The device could not provide the memory, even after gpucache released every cached
-    /// buffer it could (this thread's caches for the device, then every other thread's) and
-    /// retried once.
+    /// The device could not provide the memory, even after gpucache gave back everything its
+    /// caches held for the device that no array owns (this thread's caches, then every other
+    /// thread's, buffers returned from other threads included) and retried once.
+    ///
+    /// What to do: drop arrays you no longer need, [`invalidate`](crate::invalidate) caches you
+    /// are done with, or use smaller batches. `cached` bytes are held by scopes active on other
+    /// threads: they are released when those scopes exit.
     #[error(
-        "out of memory on {device}: could not allocate {requested} bytes after releasing cached \
-         buffers and retrying; gpucache still holds {in_use} bytes in use by live arrays and \
-         {cached} bytes cached in scopes active on other threads. Drop arrays you no longer need, \
-         call gpucache::invalidate for caches you are done with, or use smaller batches"
+        "out of memory on {device}: {requested} bytes requested, {in_use} bytes in use by live \
+         arrays, {cached} bytes held by scopes active on other threads"
     )]
     OutOfMemory {
         /// The device that ran out.
         device: Device,
-        /// The number of bytes that were asked for.
+        /// The number of bytes the caller asked for (not rounded up to a size class).
         requested: usize,
-        /// Bytes still sitting in free lists that could not be released (caches held active by
-        /// a scope on another thread).
+        /// Bytes gpucache holds on the device that no array owns and that could not be released:
+        /// free lists of caches inside a scope on another thread, and buffers dropped inside such
+        /// a scope (free when it exits).
         cached: usize,
-        /// Bytes gpucache has allocated on the device that are not in any free list: owned by
-        /// live arrays, or dropped inside a scope that has not exited yet.
+        /// Bytes gpucache has allocated on the device for arrays that are alive.
         in_use: usize,
     },
 
-    /// A CUDA device was asked for but this build of gpucache has no CUDA backend.
-    #[error(
-        "{device} is not available: gpucache was built without its `cuda` feature; enable it \
-         (gpucache = {{ features = [\"cuda\"] }}) or use Device::Cpu"
-    )]
+    /// A CUDA device was asked for but this build of gpucache has no CUDA backend. Enable the
+    /// `cuda` feature (`gpucache = { version = "0.1", features = ["cuda"] }`) or use
+    /// `Device::Cpu`.
+    #[error("{device} needs the `cuda` feature, which this build of gpucache lacks")]
     CudaNotEnabled {
         /// The device that was asked for.
         device: Device,
     },
 
     /// No CUDA driver could be loaded (`libcuda.so` is not on the library search path), so no
-    /// CUDA device can be used.
-    #[error(
-        "{device} is not available: no CUDA driver was found (libcuda.so could not be loaded); \
-         install the NVIDIA driver, check LD_LIBRARY_PATH, or use Device::Cpu"
-    )]
+    /// CUDA device can be used. Install the NVIDIA driver, check `LD_LIBRARY_PATH`, or use
+    /// `Device::Cpu`.
+    #[error("no CUDA driver was found for {device} (libcuda.so could not be loaded)")]
     CudaDriverNotFound {
         /// The device that was asked for.
         device: Device,
     },
 
-    /// The CUDA driver is there but has no device with this ordinal.
-    #[error(
-        "{device} does not exist: the CUDA driver reports {count} device(s); use an ordinal below \
-         {count} (check CUDA_VISIBLE_DEVICES)"
-    )]
+    /// The CUDA driver is there but has no device with this ordinal. Use an ordinal below
+    /// `count`, and check `CUDA_VISIBLE_DEVICES`.
+    #[error("{device} does not exist: the CUDA driver reports {count} device(s)")]
     CudaDeviceNotFound {
         /// The device that was asked for.
         device: Device,
@@ -95,9 +92,10 @@ pub enum Error {
         count: usize,
     },
 
-    /// A call of the CUDA driver failed. The driver's own error is the [source](std::error::Error::source).
+    /// A call of the CUDA driver failed. The driver's own error is the
+    /// [source](std::error::Error::source) (not repeated in this error's message).
     #[cfg(feature = "cuda")]
-    #[error("CUDA driver call failed: {0}")]
+    #[error("CUDA driver call failed")]
     Driver(#[from] cudarc::driver::DriverError),
 
     /// An operation got an array or stream of one device where another was needed (a CPU array
@@ -111,11 +109,9 @@ pub enum Error {
     },
 
     /// A CUDA stream that does not belong to the context gpucache allocates in (the device's
-    /// primary context) was given where gpucache records or orders work.
-    #[error(
-        "the stream belongs to a CUDA context other than the primary context of {device}, which \
-         gpucache allocates in; create streams from gpucache::cuda::context({device:?})"
-    )]
+    /// primary context) was given where gpucache records or orders work. Create streams from
+    /// `gpucache::cuda::context(device)`.
+    #[error("the stream belongs to a CUDA context other than the primary context of {device}")]
     ForeignStream {
         /// The device of the stream.
         device: Device,
@@ -126,12 +122,13 @@ pub enum Error {
     /// the `nvidia-nccl` Python wheel), put a `libnccl.so` link to it in a directory on
     /// `LD_LIBRARY_PATH`.
     #[cfg(feature = "nccl")]
-    #[error("NCCL is not available: libnccl.so could not be loaded")]
+    #[error("no NCCL library was found (libnccl.so could not be loaded)")]
     NcclNotFound,
 
-    /// A call of NCCL failed. NCCL's own error code is kept in the variant.
+    /// A call of NCCL failed. NCCL's own error code is kept in the variant (cudarc's
+    /// `NcclError` does not implement `std::error::Error`, so it is not a source).
     #[cfg(feature = "nccl")]
-    #[error("NCCL call failed: {:?}", .0.0)]
+    #[error("NCCL call failed with {:?}", .0.0)]
     Nccl(crate::nccl::NcclError),
 
     /// A rank (own, root or peer) that is not below the communicator's number of ranks.
@@ -147,7 +144,7 @@ pub enum Error {
     /// Text that is not an NCCL unique id: those are 256 hexadecimal digits, as the id's
     /// `Display` writes them. Pass the id on unchanged.
     #[cfg(feature = "nccl")]
-    #[error("an NCCL unique id is 256 hexadecimal digits, got {len} bytes that are not one")]
+    #[error("text of {len} bytes is not an NCCL unique id (256 hexadecimal digits)")]
     InvalidUniqueId {
         /// The length of the text, in bytes.
         len: usize,
@@ -164,23 +161,86 @@ pub enum Error {
         found: usize,
     },
 
-    /// A zero-size array owns no device memory, so it has no mutable device view.
-    #[error(
-        "the array on {device} has no elements and owns no device memory, so it has no mutable \
-         view; check is_empty() first"
-    )]
+    /// A zero-size array owns no device memory, so it has no mutable device view. Check
+    /// `is_empty()` first.
+    #[error("the array on {device} has no elements, so it has no mutable device view")]
     EmptyArray {
         /// The array's device.
         device: Device,
     },
 
-    /// The array lives in device memory that the host cannot address.
-    #[error(
-        "the array lives on {device}, whose memory the host cannot read or write directly; copy \
-         it with to_vec() or use the device's own API"
-    )]
+    /// The array lives in device memory that the host cannot address. Copy it with
+    /// `to_vec()`, or use the device's own API.
+    #[error("the array lives on {device}, whose memory the host cannot address")]
     NotHostAccessible {
         /// The array's device.
         device: Device,
     },
+}
+
+/// ` of {dtype}`, or nothing.
+fn of_type(dtype: Option<DType>) -> String {
+    dtype.map(|t| format!(" of {t}")).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One of each variant that can be made without a GPU.
+    fn samples() -> Vec<Error> {
+        let device = Device::Cuda(3);
+        vec![
+            Error::ShapeOverflow {
+                dims: vec![usize::MAX, 2],
+                dtype: Some(DType::F32),
+            },
+            Error::LengthMismatch {
+                dims: vec![2, 3],
+                expected: 6,
+                got: 5,
+            },
+            Error::OutOfMemory {
+                device,
+                requested: 10,
+                cached: 1,
+                in_use: 2,
+            },
+            Error::CudaNotEnabled { device },
+            Error::CudaDriverNotFound { device },
+            Error::CudaDeviceNotFound { device, count: 1 },
+            Error::DeviceMismatch {
+                expected: device,
+                found: Device::Cpu,
+            },
+            Error::ForeignStream { device },
+            Error::EmptyArray { device },
+            Error::NotHostAccessible { device },
+        ]
+    }
+
+    #[test]
+    fn messages_are_one_lowercase_clause() {
+        for err in samples() {
+            let msg = err.to_string();
+            let first = msg.chars().next().unwrap();
+            assert!(!first.is_uppercase(), "{msg}");
+            assert!(
+                !msg.ends_with('.') && !msg.contains(". ") && !msg.contains("; "),
+                "{msg}"
+            );
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_driver_error_is_the_source_and_not_repeated() {
+        use std::error::Error as _;
+        let driver =
+            cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let err = Error::from(driver);
+        assert!(err.source().is_some(), "the driver error is the source");
+        // (Formatting the driver error itself asks the driver for its text, so compare whole.)
+        assert_eq!(err.to_string(), "CUDA driver call failed");
+    }
 }

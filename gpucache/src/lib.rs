@@ -24,13 +24,14 @@
 //!
 //! let dev = Device::Cpu;
 //! let x = Array::from_slice(dev, &[1.0f32, -2.0, 3.0, -4.0], [4, 1])?;
-//! for _epoch in 0..2 {
+//! for epoch in 0..2 {
+//!     let before = gpucache::stats("train_step");
 //!     for _batch in 0..10 {
 //!         train_step(dev, &x)?;
 //!     }
-//!     let s = gpucache::stats("train_step");
-//!     assert_eq!(s.misses, 1); // one buffer, allocated once, recycled 9 times
-//!     println!("{s}");
+//!     let s = gpucache::stats("train_step").since(&before); // this epoch's figures
+//!     assert_eq!((s.misses, s.hits), (1, 9)); // one buffer, allocated once, recycled 9 times
+//!     println!("epoch {epoch}: {s}");
 //!     // A block in a scope of its own; `?` in it leaves the enclosing function, as in any block.
 //!     let loss = cache_scope!(eval, {
 //!         let h = Array::<f32>::zeros(dev, [4, 16])?;
@@ -39,8 +40,6 @@
 //!     assert_eq!(loss, 0.0);
 //!     gpucache::invalidate("train_step"); // give the memory back between epochs
 //!     assert_eq!(gpucache::stats("train_step").bytes_cached, 0);
-//!     gpucache::configure("train_step", Default::default()); // (counters are kept)
-//!     # break;
 //! }
 //! # Ok::<(), gpucache::Error>(())
 //! ```
@@ -97,21 +96,44 @@
 //! * **[`invalidate`]** frees the free lists and starts a new generation: buffers of arrays
 //!   still alive are freed, not cached, when they drop. [`empty_cache`] frees every free list of
 //!   every thread.
-//! * **Caches are per thread**: two threads using the name `train_step` have two caches, and
-//!   the hit path takes no lock another thread contends for.
-//! * **Out of memory**: a failed device allocation releases cached buffers (this thread's caches
-//!   for the device, then every thread's) and retries once, then returns
-//!   [`Error::OutOfMemory`].
+//! * **Out of memory**: a failed device allocation gives back what the caches hold for the device
+//!   that no array owns (this thread's caches, then every thread's) and retries once, then
+//!   returns [`Error::OutOfMemory`].
+//!
+//! ## Threads
+//!
+//! Names are process-wide, storage is per thread.
+//!
+//! * **Per thread**: two threads using the name `train_step` have two caches, each with its own
+//!   free lists, counters and lock; the owner holds its lock for a whole scope, so the hit path
+//!   takes no lock another thread contends for.
+//! * **Per name**: [`invalidate`], [`configure`] and [`reset_peak`] act on the name on every
+//!   thread. Another thread's cache is changed at once when that thread is not inside a scope of
+//!   it, else when that scope exits; [`configure`] also holds for caches created later.
+//!   [`stats`] reads the calling thread's cache, [`snapshot`] every thread's (exited threads'
+//!   final counters included) and [`Snapshot::total`] sums them by name.
+//! * **Arrays dropped on another thread** go back to their home cache's return queue. The owner
+//!   takes it in when it next enters a scope of the cache (the buffers are free for that step),
+//!   when it misses, and when a scope exits. [`empty_cache`], [`invalidate`] and out-of-memory
+//!   recovery give queued buffers back to the device from any thread, whatever the owner is
+//!   doing, so nothing is stranded behind an idle or blocked thread.
+//! * **A thread that exits** closes its caches: free buffers go back to the device, and its
+//!   arrays still alive elsewhere are freed when they drop.
 //!
 //! ## Decisions where the design was silent
 //!
 //! * Zero-size arrays own no memory and never touch a cache (no hit, no miss).
 //! * `bytes_in_use` counts buffers handed out and not yet free, including those dropped inside
 //!   a scope that has not exited; `peak_bytes` is the peak of `bytes_in_use + bytes_cached`.
-//! * A thread that exits closes its caches: their free buffers go back to the device, and its
-//!   arrays still alive elsewhere are freed when they drop.
 //! * Another thread's cache that is inside a scope when [`empty_cache`] (or out-of-memory
-//!   recovery) runs is released when that scope exits, not at once.
+//!   recovery) runs has its free lists released when that scope exits, not at once (buffers
+//!   returned to it are released at once). Out-of-memory recovery on the thread that ran out
+//!   also frees what its own active scopes hold for their exit.
+//! * `bytes_in_use` of a cache includes buffers other threads returned to it and it has not
+//!   taken in yet; [`Error::OutOfMemory`]'s `in_use` counts live arrays only.
+//! * A cache tracks at most 16 devices per thread; inside its scope, an allocation on a 17th
+//!   device is made from the device directly (as outside any scope).
+//! * [`Snapshot::total`] sums `peak_bytes` over threads: an upper bound of the name's peak.
 //! * Changing a cache's [`KeyPolicy`] with [`configure`] invalidates it.
 //! * [`Element`] is sealed: buffers are shared between element types under
 //!   [`KeyPolicy::SizeClass`], which is sound only for plain types.
@@ -185,10 +207,12 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use registry::{configure, device_stats, empty_cache, invalidate, stats, summary};
+pub use registry::{
+    configure, device_stats, empty_cache, invalidate, reset_peak, snapshot, stats, summary,
+};
 pub use scope::{ScopeGuard, current_scope, enter};
 pub use shape::Shape;
-pub use stats::{CacheStats, DeviceStats};
+pub use stats::{CacheStats, DeviceStats, DeviceUsage, Snapshot, SnapshotRow};
 
 /// The block macro `cache_scope!(name, { ... })`: runs a block inside the scope `name`. (The
 /// attribute is [`#[cache_scope]`](crate::prelude::cache_scope) in the prelude.)

@@ -1,13 +1,14 @@
-//! The caches of every thread, by name: lookup, [`invalidate`], [`empty_cache`], [`configure`],
-//! [`stats`], [`summary`], and device allocation with out-of-memory recovery.
+//! The caches of every thread, by name: lookup, and the calls that act on a name everywhere
+//! ([`invalidate`], [`configure`], [`reset_peak`]) or on every cache ([`empty_cache`],
+//! [`snapshot`], [`summary`]), and device allocation with out-of-memory recovery.
 //!
 //! Each thread keeps its caches in a thread-local map (looked up once per scope entry, never per
-//! allocation). So that one thread can reach every thread's caches (`empty_cache`, `summary`,
-//! out-of-memory recovery), each thread also lists them in its slot of a
-//! [`thread_local::ThreadLocal`]; the owner locks that list only when it creates a cache.
+//! allocation). So that one thread can reach every thread's caches, each thread also lists them
+//! in its slot of a [`thread_local::ThreadLocal`]; the owner locks that list only when it creates
+//! a cache. Options set with [`configure`] are kept by name, for the caches created later.
 
 use std::cell::RefCell;
-
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use hashbrown::HashMap;
@@ -16,7 +17,7 @@ use thread_local::ThreadLocal;
 
 use crate::backend::{self, AllocError, Block};
 use crate::cache::CacheCell;
-use crate::stats::{self, CacheStats, Row};
+use crate::stats::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
 use crate::{CacheConfig, Device, DeviceStats, Error, Result};
 
 /// A thread's caches, as other threads see them.
@@ -26,6 +27,66 @@ struct ThreadEntry {
 }
 
 static THREADS: ThreadLocal<ThreadEntry> = ThreadLocal::new();
+
+/// The options [`configure`] set, by name, for caches created later.
+static CONFIGS: Mutex<Vec<(Box<str>, CacheConfig)>> = parking_lot::const_mutex(Vec::new());
+
+/// The options of cache `name` for a new cache.
+fn config_for(name: &str) -> CacheConfig {
+    CONFIGS
+        .lock()
+        .iter()
+        .find(|(n, _)| &**n == name)
+        .map(|&(_, c)| c)
+        .unwrap_or_default()
+}
+
+/// The final rows of caches whose threads have exited: the latest [`EXITED_ROWS`] one by one,
+/// older ones summed per cache name, so memory stays bounded by the number of names.
+#[derive(Default)]
+struct Exited {
+    recent: VecDeque<SnapshotRow>,
+    older: Vec<SnapshotRow>,
+}
+
+/// How many rows of exited threads [`snapshot`] keeps one by one.
+const EXITED_ROWS: usize = 256;
+
+static EXITED: Mutex<Exited> = parking_lot::const_mutex(Exited {
+    recent: VecDeque::new(),
+    older: Vec::new(),
+});
+
+impl Exited {
+    fn record(&mut self, row: SnapshotRow) {
+        self.recent.push_back(row);
+        if self.recent.len() <= EXITED_ROWS {
+            return;
+        }
+        let Some(old) = self.recent.pop_front() else {
+            return;
+        };
+        match self.older.iter_mut().find(|r| r.cache == old.cache) {
+            Some(sum) => sum.stats = sum.stats.plus(&old.stats),
+            None => self.older.push(SnapshotRow {
+                thread: "(earlier threads)".into(),
+                thread_number: 0,
+                ..old
+            }),
+        }
+    }
+}
+
+/// A row for `cell`.
+fn row(cell: &CacheCell, exited: bool) -> SnapshotRow {
+    SnapshotRow {
+        thread: cell.thread_name().to_owned(),
+        thread_number: cell.thread_number(),
+        exited,
+        cache: cell.name().to_owned(),
+        stats: cell.snapshot(),
+    }
+}
 
 /// A thread's caches, as the thread itself sees them.
 struct Local {
@@ -51,11 +112,13 @@ impl Local {
 
 impl Drop for Local {
     /// The thread is exiting: close its caches, so that what they hold goes back to the device
-    /// and arrays still alive elsewhere free their buffers when they drop.
+    /// and arrays still alive elsewhere free their buffers when they drop, and keep their final
+    /// counters for [`snapshot`].
     fn drop(&mut self) {
         self.entry.cells.lock().clear();
         for (_, cell) in self.caches.get_mut().drain() {
             cell.close();
+            EXITED.lock().record(row(&cell, true));
         }
     }
 }
@@ -71,7 +134,7 @@ pub(crate) fn cell(name: &str) -> Option<Arc<CacheCell>> {
             if let Some(cell) = local.caches.borrow().get(name) {
                 return Arc::clone(cell);
             }
-            let cell = Arc::new(CacheCell::new(name, &local.thread_name));
+            let cell = Arc::new(CacheCell::new(name, &local.thread_name, config_for(name)));
             local.entry.cells.lock().push(Arc::clone(&cell));
             local
                 .caches
@@ -90,14 +153,7 @@ fn find(name: &str) -> Option<Arc<CacheCell>> {
         .flatten()
 }
 
-/// This thread's caches.
-fn own_cells() -> Vec<Arc<CacheCell>> {
-    LOCAL
-        .try_with(|local| local.caches.borrow().values().cloned().collect())
-        .unwrap_or_default()
-}
-
-/// Every thread's caches.
+/// Every live thread's caches.
 fn all_cells() -> Vec<Arc<CacheCell>> {
     THREADS
         .iter()
@@ -105,12 +161,25 @@ fn all_cells() -> Vec<Arc<CacheCell>> {
         .collect()
 }
 
-/// Frees every cached (free-listed) buffer of the calling thread's cache `name` back to the
-/// device and starts a new generation of it.
+/// Runs `own` on the calling thread's cache `name` and `other` on every other thread's.
+fn for_name(name: &str, own: impl Fn(&CacheCell), other: impl Fn(&CacheCell)) {
+    for cell in all_cells().iter().filter(|c| c.name() == name) {
+        if cell.is_owned_here() {
+            own(cell);
+        } else {
+            other(cell);
+        }
+    }
+}
+
+/// Frees the cached buffers of cache `name` on every thread back to the device and starts a new
+/// generation of each.
 ///
-/// Arrays still alive stay valid; their buffers are freed, not cached, when they drop. Buffers
-/// of arrays dropped inside a scope of the cache that is still active are freed too. Unknown
-/// names are ignored.
+/// The calling thread's cache is invalidated at once; another thread's at once when that thread
+/// is not inside a scope of it, else when that scope exits (buffers other threads returned to it
+/// are freed at once either way). Arrays still alive stay valid; their buffers are freed, not
+/// cached, when they drop. Buffers of arrays dropped inside a scope of the cache that is still
+/// active are freed too. Unknown names are ignored.
 ///
 /// ```
 /// use gpucache::{Array, Device};
@@ -124,49 +193,121 @@ fn all_cells() -> Vec<Arc<CacheCell>> {
 /// # Ok::<(), gpucache::Error>(())
 /// ```
 pub fn invalidate(name: &str) {
-    if let Some(cell) = find(name) {
-        cell.invalidate();
-    }
+    for_name(name, CacheCell::invalidate, |cell| {
+        cell.free_returned(None);
+        cell.request(|r| r.invalidate = true);
+    });
 }
 
-/// Frees every free-listed buffer of every cache on every thread back to the device.
+/// Frees every free-listed buffer of every cache on every thread back to the device, and the
+/// buffers that arrays dropped on other threads returned to a cache whose owner has not taken
+/// them in yet.
 ///
-/// Buffers of live arrays are untouched. A cache that another thread is using inside a scope at
-/// this moment is released when that scope exits.
+/// Buffers of live arrays are untouched. The free lists of a cache that another thread is using
+/// inside a scope at this moment are released when that scope exits.
 pub fn empty_cache() {
-    release_cached(None);
+    release_cached(None, false);
 }
 
-/// Sets the options of the calling thread's cache `name` (created if new).
+/// Sets the options of cache `name` on every thread: the caches of that name that exist (the
+/// calling thread's at once; another thread's at once when it is not inside a scope of it, else
+/// when that scope exits) and those created later. Unknown names are fine.
 ///
 /// Changing [`CacheConfig::key`] invalidates the cache (see [`invalidate`]); lowering
 /// [`CacheConfig::max_cached_bytes`] evicts at once.
 pub fn configure(name: &str, config: CacheConfig) {
-    if let Some(cell) = cell(name) {
-        cell.configure(config);
+    {
+        let mut configs = CONFIGS.lock();
+        match configs.iter_mut().find(|(n, _)| &**n == name) {
+            Some((_, c)) => *c = config,
+            None => configs.push((name.into(), config)),
+        }
     }
+    for_name(
+        name,
+        |cell| cell.configure(config),
+        |cell| {
+            cell.request(|r| r.config = Some(config));
+        },
+    );
 }
 
-/// The counters of the calling thread's cache `name` (all zero if it does not exist).
+/// The counters of the calling thread's cache `name` (all zero if it does not exist). For every
+/// thread's, see [`snapshot`] and [`Snapshot::total`].
 pub fn stats(name: &str) -> CacheStats {
     find(name).map(|c| c.stats_owned()).unwrap_or_default()
 }
 
-/// Every cache of every live thread, as a table with one row per (thread, cache).
+/// Restarts `peak_bytes` of cache `name`, on every thread, from the bytes each holds now.
 ///
-/// Counters of other threads' caches are read without stopping those threads, so a row can be
-/// a few operations behind.
+/// ```
+/// use gpucache::{Array, Device};
+/// {
+///     let _scope = gpucache::enter("peak-doc");
+///     let _a = Array::<u8>::zeros(Device::Cpu, 4096)?;
+///     let _b = Array::<u8>::zeros(Device::Cpu, 4096)?;
+/// }
+/// gpucache::invalidate("peak-doc");
+/// assert_eq!(gpucache::stats("peak-doc").peak_bytes, 8192);
+/// gpucache::reset_peak("peak-doc");
+/// assert_eq!(gpucache::stats("peak-doc").peak_bytes, 0);
+/// # Ok::<(), gpucache::Error>(())
+/// ```
+pub fn reset_peak(name: &str) {
+    for_name(name, CacheCell::reset_peak, CacheCell::reset_peak);
+}
+
+/// A reading of every cache on every thread, including the final counters of threads that have
+/// exited (the latest 256 such rows one by one, older ones summed per cache name).
+///
+/// ```
+/// use gpucache::{Array, Device};
+/// std::thread::spawn(|| {
+///     let _scope = gpucache::enter("snapshot-doc");
+///     Array::<f32>::zeros(Device::Cpu, 16).map(drop)
+/// })
+/// .join()
+/// .unwrap()?;
+/// let snap = gpucache::snapshot();
+/// assert_eq!(snap.total("snapshot-doc").misses, 1);
+/// assert!(snap.rows().iter().any(|r| r.cache == "snapshot-doc" && r.exited));
+/// # Ok::<(), gpucache::Error>(())
+/// ```
+pub fn snapshot() -> Snapshot {
+    let cells = all_cells();
+    let mut devices: Vec<DeviceUsage> = Vec::new();
+    for (device, bytes) in cells.iter().flat_map(|c| c.device_bytes()) {
+        let usage = match devices.iter_mut().find(|u| u.device == device) {
+            Some(u) => u,
+            None => {
+                devices.push(DeviceUsage {
+                    device,
+                    ..DeviceUsage::default()
+                });
+                devices.last_mut().expect("just pushed")
+            }
+        };
+        usage.bytes_in_use += bytes.held.saturating_sub(bytes.cached);
+        usage.bytes_cached += bytes.cached;
+    }
+    let mut rows: Vec<SnapshotRow> = cells.iter().map(|c| row(c, false)).collect();
+    let key = |r: &SnapshotRow| (r.thread.clone(), r.thread_number, r.cache.clone());
+    rows.sort_by_key(key);
+    {
+        let exited = EXITED.lock();
+        let mut gone: Vec<SnapshotRow> =
+            exited.older.iter().chain(&exited.recent).cloned().collect();
+        gone.sort_by_key(key);
+        rows.extend(gone);
+    }
+    Snapshot { rows, devices }
+}
+
+/// Every cache of every thread (see [`snapshot`]), as a table with one row per (thread, cache).
+/// Threads are shown as `name#number`, so threads that share a name stay apart; names longer
+/// than 40 characters are shortened.
 pub fn summary() -> String {
-    let mut rows: Vec<Row> = all_cells()
-        .iter()
-        .map(|cell| Row {
-            thread: cell.thread_name().to_owned(),
-            cache: cell.name().to_owned(),
-            stats: cell.snapshot(),
-        })
-        .collect();
-    rows.sort_by(|a, b| (&a.thread, &a.cache).cmp(&(&b.thread, &b.cache)));
-    stats::table(&rows)
+    snapshot().to_string()
 }
 
 /// What gpucache has allocated and freed on `device`, cached or not, as counted by the backend
@@ -187,44 +328,66 @@ pub fn device_stats(device: Device) -> Result<DeviceStats> {
     Ok(backend::resolve(device)?.stats(device))
 }
 
-/// Frees the free lists of this thread's caches, then every other thread's, for `device` (or
-/// all devices). Returns the bytes still cached in caches that were busy in a scope on another
-/// thread and could not be released now.
-fn release_cached(device: Option<Device>) -> usize {
-    release_own(device);
-    all_cells()
-        .iter()
-        .filter(|cell| !cell.is_owned_here())
-        .filter(|cell| !cell.flush_from_other_thread(device))
-        .map(|cell| cell.snapshot().bytes_cached)
-        .sum()
+/// Gives back what every thread's caches hold on `device` (or all devices) that no array owns:
+/// buffers returned by other threads, at once; free lists and deferred buffers, at once for this
+/// thread's caches and idle ones, at the scope's exit for a cache active on another thread;
+/// with `pending`, also what this thread's active scopes hold for their exit.
+fn release_cached(device: Option<Device>, pending: bool) {
+    for cell in all_cells() {
+        cell.free_returned(device);
+        if cell.is_owned_here() {
+            cell.give_back_owned(device, pending);
+        } else {
+            cell.request(|r| r.flush.push(device));
+        }
+    }
 }
 
 /// Frees the free lists of this thread's caches, for `device` (or all devices).
 pub(crate) fn release_own(device: Option<Device>) {
-    for cell in own_cells() {
-        cell.flush_owned(device);
+    let cells = LOCAL
+        .try_with(|local| local.caches.borrow().values().cloned().collect())
+        .unwrap_or_else(|_| Vec::<Arc<CacheCell>>::new());
+    for cell in cells {
+        cell.give_back_owned(device, false);
     }
 }
 
-/// Allocates `bytes` on `device`. When the device is out of memory, releases the cached buffers
-/// for it (this thread's caches, then every thread's) and retries once.
-pub(crate) fn alloc_block(device: Device, bytes: usize, zeroed: bool) -> Result<Block> {
+/// Allocates `capacity` bytes on `device` for a request of `requested` bytes. When the device is
+/// out of memory, gives back what the caches hold for it that no array owns (this thread's
+/// caches, then every thread's) and retries once.
+pub(crate) fn alloc_block(
+    device: Device,
+    capacity: usize,
+    requested: usize,
+    zeroed: bool,
+) -> Result<Block> {
     let backend = backend::resolve(device)?;
-    match Block::alloc(&backend, device, bytes, zeroed) {
+    match Block::alloc(&backend, device, capacity, zeroed) {
         Ok(block) => return Ok(block),
         Err(AllocError::Other(e)) => return Err(e),
         Err(AllocError::OutOfMemory) => {}
     }
-    let cached = release_cached(Some(device));
-    match Block::alloc(&backend, device, bytes, zeroed) {
+    release_cached(Some(device), true);
+    match Block::alloc(&backend, device, capacity, zeroed) {
         Ok(block) => Ok(block),
         Err(AllocError::Other(e)) => Err(e),
-        Err(AllocError::OutOfMemory) => Err(Error::OutOfMemory {
-            device,
-            requested: bytes,
-            cached,
-            in_use: backend.stats(device).bytes_allocated.saturating_sub(cached),
-        }),
+        Err(AllocError::OutOfMemory) => {
+            // What caches still hold on the device that no array owns: free lists and dropped
+            // buffers of scopes active on other threads.
+            let cached: usize = all_cells()
+                .iter()
+                .flat_map(|c| c.device_bytes())
+                .filter(|&(d, _)| d == device)
+                .map(|(_, b)| b.cached + b.waiting)
+                .sum();
+            let allocated = backend.stats(device).bytes_allocated;
+            Err(Error::OutOfMemory {
+                device,
+                requested,
+                cached,
+                in_use: allocated.saturating_sub(cached),
+            })
+        }
     }
 }

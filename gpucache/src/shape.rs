@@ -26,6 +26,10 @@ pub struct Shape {
     dims: SmallVec<[usize; INLINE]>,
 }
 
+/// The largest array in bytes: `isize::MAX` (the most one Rust allocation may hold) rounded down
+/// to the 64-byte alignment of host buffers, so that an allocation of it can be described.
+pub(crate) const MAX_BYTES: usize = (isize::MAX as usize) & !(crate::backend::HOST_ALIGN - 1);
+
 /// Dimensions stored without a heap allocation.
 const INLINE: usize = 4;
 
@@ -49,19 +53,19 @@ impl Shape {
     /// The number of elements: the product of the dimensions (1 for a scalar).
     ///
     /// # Errors
-    /// [`Error::ShapeOverflow`] when the product does not fit in `usize`.
+    /// [`Error::ShapeOverflow`] (with no element type) when the product does not fit in
+    /// `usize`.
     pub fn numel(&self) -> Result<usize> {
-        self.checked_numel().ok_or_else(|| self.overflow(DType::U8))
+        self.checked_numel().ok_or_else(|| self.overflow(None))
     }
 
-    /// The size in bytes of an array of this shape and `dtype`, checked against `isize::MAX`
-    /// (the most one allocation may hold).
+    /// The size in bytes of an array of this shape and `dtype`, checked against [`MAX_BYTES`].
     #[inline]
     pub(crate) fn byte_len(&self, dtype: DType) -> Result<usize> {
         self.checked_numel()
             .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| self.overflow(dtype))
+            .filter(|&b| b <= MAX_BYTES)
+            .ok_or_else(|| self.overflow(Some(dtype)))
     }
 
     #[inline]
@@ -71,7 +75,7 @@ impl Shape {
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
     }
 
-    fn overflow(&self, dtype: DType) -> Error {
+    fn overflow(&self, dtype: Option<DType>) -> Error {
         Error::ShapeOverflow {
             dims: self.dims.to_vec(),
             dtype,
@@ -154,16 +158,32 @@ mod tests {
     }
 
     #[test]
-    fn byte_len_is_checked_against_isize_max() {
+    fn byte_len_is_checked_against_the_largest_allocation() {
         let half = (isize::MAX as usize) / 2 + 1;
         assert!(Shape::from(half).byte_len(DType::U8).is_ok());
         assert!(matches!(
             Shape::from(half).byte_len(DType::U16),
-            Err(Error::ShapeOverflow { .. })
+            Err(Error::ShapeOverflow {
+                dtype: Some(DType::U16),
+                ..
+            })
         ));
+        assert_eq!(
+            Shape::from(MAX_BYTES).byte_len(DType::U8).unwrap(),
+            MAX_BYTES
+        );
+        for bytes in [MAX_BYTES + 1, isize::MAX as usize] {
+            assert!(matches!(
+                Shape::from(bytes).byte_len(DType::U8),
+                Err(Error::ShapeOverflow {
+                    dtype: Some(DType::U8),
+                    ..
+                })
+            ));
+        }
         assert!(matches!(
             Shape::from([usize::MAX, 2]).numel(),
-            Err(Error::ShapeOverflow { .. })
+            Err(Error::ShapeOverflow { dtype: None, .. })
         ));
     }
 

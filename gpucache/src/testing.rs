@@ -168,17 +168,18 @@ impl Backend for CountingBackend {
     }
 }
 
-/// Routes this thread's `Device::Cpu` allocations to `backend` until the guard drops (the
-/// previous backend is restored then).
+/// Routes this thread's `Device::Cpu` allocations to `backend` until the guard drops.
 ///
-/// Installing and removing it releases the free buffers of this thread's caches on
-/// `Device::Cpu`, so a free list never mixes buffers of two backends. Buffers always go back to
-/// the backend that allocated them, whichever thread drops them.
+/// Guards nest like scopes: the backend installed last serves, and dropping a guard removes its
+/// own backend, even when guards drop out of order. Installing and removing a backend releases
+/// the free buffers of this thread's caches on `Device::Cpu`, so a free list never mixes buffers
+/// of two backends. Buffers always go back to the backend that allocated them, whichever thread
+/// drops them.
 pub fn use_backend(backend: &Arc<CountingBackend>) -> BackendGuard {
     crate::registry::release_own(Some(Device::Cpu));
     let backend: Arc<dyn Backend> = Arc::clone(backend) as Arc<dyn Backend>;
     BackendGuard {
-        previous: backend::set_cpu_override(Some(backend)),
+        id: backend::push_cpu_override(backend),
         _not_send: PhantomData,
     }
 }
@@ -186,7 +187,7 @@ pub fn use_backend(backend: &Arc<CountingBackend>) -> BackendGuard {
 /// Keeps a [`CountingBackend`] installed on this thread; made by [`use_backend`].
 #[must_use = "the backend is removed when the guard drops"]
 pub struct BackendGuard {
-    previous: Option<Arc<dyn Backend>>,
+    id: u64,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -199,6 +200,6 @@ impl fmt::Debug for BackendGuard {
 impl Drop for BackendGuard {
     fn drop(&mut self) {
         crate::registry::release_own(Some(Device::Cpu));
-        backend::set_cpu_override(self.previous.take());
+        backend::remove_cpu_override(self.id);
     }
 }

@@ -1,17 +1,73 @@
 //! The CPU backend: zeroed, 64-byte aligned host allocations.
 //!
-//! Small buffers come from the global allocator. Buffers of [`MAP_THRESHOLD`] bytes and more are
-//! anonymous `mmap` mappings, whose pages the kernel zeroes lazily on first touch (the global
-//! allocator cannot hand out lazily zeroed memory at 64-byte alignment: it zeroes every byte
-//! itself). Either way a new buffer costs system calls, page faults or a memset; recycling it
-//! through a cache skips all three.
+//! Small buffers come from the global allocator. On Unix, buffers of [`MAP_THRESHOLD`] bytes and
+//! more are anonymous `mmap` mappings, whose pages the kernel zeroes lazily on first touch (the
+//! global allocator cannot hand out lazily zeroed memory at 64-byte alignment: it zeroes every
+//! byte itself); elsewhere they come from the global allocator too. Either way a new buffer
+//! costs system calls, page faults or a memset; recycling it through a cache skips all three.
 
 use std::alloc::{self, Layout};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use super::{AllocError, Backend, HOST_ALIGN, HostBuf, Storage};
-use crate::{Device, DeviceStats};
+use super::{AllocError, Backend, HOST_ALIGN, Storage};
+use crate::{Device, DeviceStats, Result};
+
+/// An owned, [`HOST_ALIGN`]-aligned, initialised host allocation of `bytes > 0` bytes.
+#[derive(Debug)]
+pub(crate) struct HostBuf {
+    ptr: NonNull<u8>,
+    bytes: usize,
+}
+
+// SAFETY: a HostBuf uniquely owns its allocation, like a Box<[u8]>; it has no thread affinity and
+// shared references only hand out reads through `&self` methods.
+unsafe impl Send for HostBuf {}
+// SAFETY: as above; `&HostBuf` gives only the pointer and reads, and writes need `&mut`.
+unsafe impl Sync for HostBuf {}
+
+impl HostBuf {
+    /// The start of the allocation.
+    #[inline]
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    #[inline]
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Sets the first `bytes <= self.bytes()` bytes to zero. Never fails (the `Result` matches
+    /// the device backends').
+    pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
+        assert!(bytes <= self.bytes);
+        // SAFETY: the buffer owns `self.bytes >= bytes` writable bytes, and `&mut self` keeps
+        // anything else from reading or writing them meanwhile.
+        unsafe { self.ptr.as_ptr().write_bytes(0, bytes) };
+        Ok(())
+    }
+
+    /// Copies `src` (at most `self.bytes()` long) to the start of the buffer. Never fails.
+    pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
+        assert!(src.len() <= self.bytes);
+        // SAFETY: the destination owns `self.bytes >= src.len()` bytes, is exclusively borrowed
+        // through `&mut self`, and cannot overlap `src`, a shared borrow of other memory.
+        unsafe { ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr(), src.len()) };
+        Ok(())
+    }
+
+    /// Copies the start of the buffer to `dst` (at most `self.bytes()` long). Never fails.
+    pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
+        assert!(dst.len() <= self.bytes);
+        // SAFETY: the source holds `self.bytes >= dst.len()` initialised bytes (host buffers are
+        // zeroed when allocated, then written only with whole bytes) and cannot overlap `dst`, an
+        // exclusive borrow of other memory.
+        unsafe { ptr::copy_nonoverlapping(self.ptr.as_ptr(), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+}
 
 /// Buffers of at least this many bytes are mapped from the kernel directly.
 pub(crate) const MAP_THRESHOLD: usize = 1 << 20;
@@ -31,6 +87,7 @@ impl CpuBackend {
 }
 
 /// Maps `bytes` of zeroed, page-aligned memory.
+#[cfg(unix)]
 fn map(bytes: usize) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous private mapping with no address hint touches no existing memory; the
     // arguments are valid for any length (the kernel refuses lengths it cannot map).
@@ -51,11 +108,33 @@ fn map(bytes: usize) -> Option<NonNull<u8>> {
     }
 }
 
+/// Unmaps a mapping made by [`map`].
+///
+/// # Safety
+/// `ptr` and `bytes` are those of one live mapping made by [`map`], which is not used again.
+#[cfg(unix)]
+unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
+    // SAFETY: the caller gives a mapping of exactly this length that nothing uses any more.
+    let r = unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
+    debug_assert_eq!(r, 0, "munmap of a mapping we own cannot fail");
+}
+
+/// Without `mmap`, large buffers come from the global allocator like small ones.
+#[cfg(not(unix))]
+fn map(_bytes: usize) -> Option<NonNull<u8>> {
+    None
+}
+
+/// Whether buffers of `bytes` are mapped (see [`MAP_THRESHOLD`]).
+fn mapped(bytes: usize) -> bool {
+    cfg!(unix) && bytes >= MAP_THRESHOLD
+}
+
 impl Backend for CpuBackend {
     fn alloc(&self, device: Device, bytes: usize, _zeroed: bool) -> Result<Storage, AllocError> {
         debug_assert_eq!(device, Device::Cpu);
         debug_assert!(bytes > 0);
-        let ptr = if bytes >= MAP_THRESHOLD {
+        let ptr = if mapped(bytes) {
             map(bytes)
         } else {
             // A size the allocator cannot describe is memory no machine has.
@@ -77,11 +156,13 @@ impl Backend for CpuBackend {
             #[cfg(feature = "cuda")]
             other => return drop(other),
         };
-        if buf.bytes >= MAP_THRESHOLD {
+        if mapped(buf.bytes) {
             // SAFETY: buffers of this size were mapped by `map` with exactly this length, are
             // owned by `buf` and are unmapped once, here.
-            let r = unsafe { libc::munmap(buf.ptr.as_ptr().cast(), buf.bytes) };
-            debug_assert_eq!(r, 0, "munmap of a mapping we own cannot fail");
+            #[cfg(unix)]
+            unsafe {
+                unmap(buf.ptr, buf.bytes)
+            };
         } else {
             // SAFETY: `Layout::from_size_align` accepted this size and alignment when `buf` was
             // allocated, so they satisfy its conditions.

@@ -11,13 +11,15 @@
 //! backend.
 
 pub(crate) mod cpu;
+
+pub(crate) use cpu::HostBuf;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
 use std::cell::RefCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 
 use crate::{Device, DeviceStats, Error, Result};
@@ -62,7 +64,7 @@ impl Storage {
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
         match self {
-            Storage::Host(h) => h.bytes,
+            Storage::Host(h) => h.bytes(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.bytes(),
         }
@@ -75,27 +77,6 @@ impl Storage {
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.device(),
         }
-    }
-}
-
-/// An owned, [`HOST_ALIGN`]-aligned, initialised host allocation of `bytes > 0` bytes.
-#[derive(Debug)]
-pub(crate) struct HostBuf {
-    ptr: NonNull<u8>,
-    bytes: usize,
-}
-
-// SAFETY: a HostBuf uniquely owns its allocation, like a Box<[u8]>; it has no thread affinity and
-// shared references only hand out reads through `&self` methods.
-unsafe impl Send for HostBuf {}
-// SAFETY: as above; `&HostBuf` gives only the pointer, and writes need `&mut`.
-unsafe impl Sync for HostBuf {}
-
-impl HostBuf {
-    /// The start of the allocation.
-    #[inline]
-    pub(crate) fn ptr(&self) -> NonNull<u8> {
-        self.ptr
     }
 }
 
@@ -125,6 +106,12 @@ impl Block {
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
         self.storage.bytes()
+    }
+
+    /// The device the block lives on.
+    #[inline]
+    pub(crate) fn device(&self) -> Device {
+        self.storage.device()
     }
 
     /// The host allocation, when the memory is host memory.
@@ -192,12 +179,7 @@ impl Block {
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
         debug_assert!(bytes <= self.bytes());
         match &mut *self.storage {
-            Storage::Host(h) => {
-                // SAFETY: `h` owns `h.bytes >= bytes` writable bytes and we hold `&mut self`,
-                // so nothing else reads or writes them meanwhile.
-                unsafe { h.ptr.as_ptr().write_bytes(0, bytes) };
-                Ok(())
-            }
+            Storage::Host(h) => h.zero(bytes),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.zero(bytes),
         }
@@ -207,15 +189,7 @@ impl Block {
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
         debug_assert!(src.len() <= self.bytes());
         match &mut *self.storage {
-            Storage::Host(h) => {
-                // SAFETY: the destination owns `h.bytes >= src.len()` bytes, is exclusively
-                // borrowed through `&mut self`, and cannot overlap `src`, a shared borrow of
-                // other memory.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), h.ptr.as_ptr(), src.len());
-                }
-                Ok(())
-            }
+            Storage::Host(h) => h.write(src),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.write(src),
         }
@@ -225,15 +199,7 @@ impl Block {
     pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
         debug_assert!(dst.len() <= self.bytes());
         match &*self.storage {
-            Storage::Host(h) => {
-                // SAFETY: the source holds `h.bytes >= dst.len()` initialised bytes (host
-                // buffers are zeroed when allocated) and cannot overlap `dst`, an exclusive
-                // borrow of other memory.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(h.ptr.as_ptr(), dst.as_mut_ptr(), dst.len());
-                }
-                Ok(())
-            }
+            Storage::Host(h) => h.read(dst),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.read(dst),
         }
@@ -260,15 +226,16 @@ impl fmt::Debug for Block {
 static CPU: LazyLock<Arc<dyn Backend>> = LazyLock::new(|| Arc::new(cpu::CpuBackend::default()));
 
 thread_local! {
-    /// A backend installed for `Device::Cpu` on this thread by `testing::use_backend`.
-    static CPU_OVERRIDE: RefCell<Option<Arc<dyn Backend>>> = const { RefCell::new(None) };
+    /// Backends installed for `Device::Cpu` on this thread by `testing::use_backend`, with their
+    /// guards' numbers; the last one serves.
+    static CPU_OVERRIDES: RefCell<Vec<(u64, Arc<dyn Backend>)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The backend that serves `device` on this thread.
 pub(crate) fn resolve(device: Device) -> Result<Arc<dyn Backend>> {
     match device {
-        Device::Cpu => Ok(CPU_OVERRIDE
-            .try_with(|o| o.borrow().clone())
+        Device::Cpu => Ok(CPU_OVERRIDES
+            .try_with(|o| o.borrow().last().map(|(_, b)| Arc::clone(b)))
             .ok()
             .flatten()
             .unwrap_or_else(|| Arc::clone(&CPU))),
@@ -287,7 +254,17 @@ pub(crate) fn check_device(device: Device) -> Result<()> {
     resolve(device).map(drop)
 }
 
-/// Installs `backend` for `Device::Cpu` on this thread; returns the one it replaces.
-pub(crate) fn set_cpu_override(backend: Option<Arc<dyn Backend>>) -> Option<Arc<dyn Backend>> {
-    CPU_OVERRIDE.try_with(|o| o.replace(backend)).ok().flatten()
+/// Installs `backend` for `Device::Cpu` on this thread, over any installed before; returns the
+/// number that [`remove_cpu_override`] takes.
+pub(crate) fn push_cpu_override(backend: Arc<dyn Backend>) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Relaxed);
+    let _ = CPU_OVERRIDES.try_with(|o| o.borrow_mut().push((id, backend)));
+    id
+}
+
+/// Removes the backend installed as `id` (wherever it is in the stack: guards dropped out of
+/// order remove their own entry, and the last installed one that remains serves).
+pub(crate) fn remove_cpu_override(id: u64) {
+    let _ = CPU_OVERRIDES.try_with(|o| o.borrow_mut().retain(|(i, _)| *i != id));
 }

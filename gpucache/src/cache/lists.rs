@@ -1,0 +1,329 @@
+//! The state behind a cache's lock: the key table, the free lists (newest last, stamped for the
+//! least-recently-freed order a byte cap evicts in), the buffers waiting for the scope to exit or
+//! for other streams, and how buffers move between them.
+
+use std::collections::VecDeque;
+use std::mem;
+
+use hashbrown::HashTable;
+
+use super::Request;
+use super::key::{Entry, KeyRef};
+use crate::Device;
+use crate::backend::Block;
+use crate::config::{CacheConfig, KeyPolicy, Reuse};
+use crate::stats::{Counters, add, sub};
+
+/// A free buffer and when it was freed (a stamp of the cache's clock).
+pub(super) struct Free {
+    block: Block,
+    stamp: u64,
+}
+
+/// The free list of one key.
+pub(super) struct Slot {
+    pub(super) device: Device,
+    /// The device's gauge in the cache's counters.
+    pub(super) gauge: u8,
+    /// Oldest first; hits take the newest.
+    free: Vec<Free>,
+}
+
+/// The state of a cache, behind the cell's lock.
+pub(super) struct Inner {
+    pub(super) config: CacheConfig,
+    pub(super) generation: u32,
+    keys: HashTable<Entry>,
+    pub(super) slots: Vec<Slot>,
+    /// Buffers dropped inside an active scope under `Reuse::OnExit`: free when it exits.
+    pending: Vec<(u32, Block)>,
+    /// Buffers whose memory a device may still be using on another stream (see
+    /// `Block::is_idle`): free once that work completes, polled when the cache misses and when a
+    /// scope exits.
+    deferred: Vec<(u32, Block)>,
+    /// Free buffers, least recently freed first, as (stamp, slot); kept only with a byte cap.
+    /// Entries whose buffer has left the free list are skipped when met.
+    lru: VecDeque<(u64, u32)>,
+    /// Stamps buffers as they are freed (with or without a cap, so that a cap set later evicts
+    /// the least recently freed first).
+    clock: u64,
+    /// Rebuild `lru` when it grows past this (it holds stale entries for buffers since taken).
+    lru_limit: usize,
+    /// Blocks handed to arrays and not yet back.
+    pub(super) live: usize,
+}
+
+impl Inner {
+    /// An empty cache state with `config`.
+    pub(super) fn new(config: CacheConfig) -> Inner {
+        Inner {
+            config,
+            generation: 0,
+            keys: HashTable::new(),
+            slots: Vec::new(),
+            pending: Vec::new(),
+            deferred: Vec::new(),
+            lru: VecDeque::new(),
+            clock: 0,
+            lru_limit: 0,
+            live: 0,
+        }
+    }
+
+    /// The key of `req` under this cache's policy.
+    #[inline]
+    pub(super) fn key<'a>(&self, req: &Request<'a>) -> KeyRef<'a> {
+        match self.config.key {
+            KeyPolicy::Exact => KeyRef::Exact {
+                dtype: req.dtype,
+                device: req.device,
+                dims: req.dims,
+            },
+            KeyPolicy::SizeClass => KeyRef::Class {
+                bytes: self.config.key.capacity(req.bytes),
+                device: req.device,
+            },
+        }
+    }
+
+    /// The free list of `key`, if it has one.
+    #[inline]
+    pub(super) fn find(&self, key: KeyRef<'_>) -> Option<u32> {
+        let hash = key.hash();
+        self.keys
+            .find(hash, |e| e.hash == hash && key.matches(&e.key))
+            .map(|e| e.slot)
+    }
+
+    /// The free list for `req`, created if new (`None` once there are 2^32 of them, or when the
+    /// cache already tracks its most devices).
+    pub(super) fn slot_of(&mut self, st: &Counters, req: &Request<'_>) -> Option<u32> {
+        let key = self.key(req);
+        if let Some(slot) = self.find(key) {
+            return Some(slot);
+        }
+        let slot = u32::try_from(self.slots.len()).ok()?;
+        let gauge = st.gauge_for(req.device)?;
+        self.slots.push(Slot {
+            device: req.device,
+            gauge,
+            free: Vec::new(),
+        });
+        let entry = Entry {
+            hash: key.hash(),
+            key: key.to_owned(),
+            slot,
+        };
+        self.keys.insert_unique(entry.hash, entry, |e| e.hash);
+        Some(slot)
+    }
+
+    /// The gauge of `slot`'s device.
+    #[inline(always)]
+    pub(super) fn gauge(&self, slot: u32) -> u8 {
+        self.slots[slot as usize].gauge
+    }
+
+    /// Pops the most recently freed buffer of `slot` (a hit).
+    #[inline]
+    pub(super) fn pop(&mut self, st: &Counters, slot: u32) -> Option<Block> {
+        let list = &mut self.slots[slot as usize];
+        let Free { block, .. } = list.free.pop()?;
+        self.live += 1;
+        add(&st.hits, 1);
+        sub(&st.gauge(list.gauge).cached, block.bytes());
+        Some(block)
+    }
+
+    /// Takes back the block of a dropped array.
+    #[inline(always)]
+    pub(super) fn release(
+        &mut self,
+        st: &Counters,
+        active: bool,
+        slot: u32,
+        generation: u32,
+        block: Block,
+    ) {
+        self.live -= 1;
+        let g = self.gauge(slot);
+        if generation != self.generation {
+            self.free(st, g, block);
+        } else if active && self.config.reuse == Reuse::OnExit {
+            add(&st.gauge(g).waiting, block.bytes());
+            self.pending.push((slot, block));
+        } else if !block.is_idle() {
+            add(&st.gauge(g).waiting, block.bytes());
+            self.deferred.push((slot, block));
+        } else {
+            self.push_free(st, slot, block);
+        }
+    }
+
+    /// Moves the deferred buffers whose device work has completed to the free lists.
+    pub(super) fn poll_deferred(&mut self, st: &Counters) {
+        if self.deferred.is_empty() {
+            return;
+        }
+        let (idle, busy): (Vec<_>, Vec<_>) = mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|(_, b)| b.is_idle());
+        self.deferred = busy;
+        for (slot, block) in idle {
+            sub(&st.gauge(self.gauge(slot)).waiting, block.bytes());
+            self.push_free(st, slot, block);
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn push_free(&mut self, st: &Counters, slot: u32, block: Block) {
+        add(&st.gauge(self.gauge(slot)).cached, block.bytes());
+        self.clock += 1;
+        let stamp = self.clock;
+        self.slots[slot as usize].free.push(Free { block, stamp });
+        if self.config.max_cached_bytes.is_some() {
+            self.note_free_capped(st, stamp, slot);
+        }
+    }
+
+    /// Under a byte cap: records a freed buffer in the LRU order and evicts down to the cap.
+    #[cold]
+    pub(super) fn note_free_capped(&mut self, st: &Counters, stamp: u64, slot: u32) {
+        self.lru.push_back((stamp, slot));
+        if self.lru.len() > self.lru_limit {
+            self.rebuild_lru();
+        }
+        self.evict(st);
+    }
+
+    /// Gives a block of gauge `g` back to the device.
+    pub(super) fn free(&mut self, st: &Counters, g: u8, block: Block) {
+        st.freed(g, block.bytes());
+        drop(block);
+    }
+
+    /// Moves the buffers dropped during the scope to the free lists (or, if a device may still
+    /// be using them, to the deferred list).
+    pub(super) fn settle(&mut self, st: &Counters) {
+        let mut pending = mem::take(&mut self.pending);
+        for (slot, block) in pending.drain(..) {
+            if block.is_idle() {
+                sub(&st.gauge(self.gauge(slot)).waiting, block.bytes());
+                self.push_free(st, slot, block);
+            } else {
+                self.deferred.push((slot, block));
+            }
+        }
+        // Keep the capacity for the next step.
+        self.pending = pending;
+        self.poll_deferred(st);
+    }
+
+    /// Frees the buffers (on `device`, or all) dropped during an active scope and those
+    /// deferred (freeing waits for their device work, as the backend's free does).
+    pub(super) fn free_waiting(&mut self, st: &Counters, device: Option<Device>) {
+        let on =
+            |slots: &[Slot], slot: u32| device.is_none_or(|d| d == slots[slot as usize].device);
+        let mut freed = Vec::new();
+        for list in [&mut self.pending, &mut self.deferred] {
+            let (take, keep) = mem::take(list)
+                .into_iter()
+                .partition(|&(slot, _)| on(&self.slots, slot));
+            *list = keep;
+            freed.extend::<Vec<_>>(take);
+        }
+        for (slot, block) in freed {
+            let g = self.gauge(slot);
+            sub(&st.gauge(g).waiting, block.bytes());
+            self.free(st, g, block);
+        }
+    }
+
+    /// Frees the free lists (of `device`, or all).
+    pub(super) fn flush(&mut self, st: &Counters, device: Option<Device>) {
+        let mut freed = Vec::new();
+        for list in &mut self.slots {
+            if device.is_none_or(|d| d == list.device) {
+                freed.extend(list.free.drain(..).map(|f| (list.gauge, f.block)));
+            }
+        }
+        for (g, block) in freed {
+            sub(&st.gauge(g).cached, block.bytes());
+            self.free(st, g, block);
+        }
+    }
+
+    /// Frees what the cache holds on `device` (or all devices) that no array owns and no scope
+    /// needs: the free lists, the deferred buffers and, with `pending`, the buffers dropped
+    /// inside the active scope.
+    pub(super) fn give_back(&mut self, st: &Counters, device: Option<Device>, pending: bool) {
+        self.flush(st, device);
+        let kept = if pending {
+            Vec::new()
+        } else {
+            mem::take(&mut self.pending)
+        };
+        self.free_waiting(st, device);
+        self.pending = kept;
+    }
+
+    /// Frees every buffer the cache has back (free, pending, deferred) and starts a new
+    /// generation. The keys and their (now empty) free lists stay, so `Home::slot` stays valid.
+    pub(super) fn invalidate(&mut self, st: &Counters) {
+        self.flush(st, None);
+        self.free_waiting(st, None);
+        self.lru.clear();
+        self.generation = self.generation.wrapping_add(1);
+        add(&st.invalidations, 1);
+    }
+
+    /// Applies `config`; changing the key policy invalidates the cache.
+    pub(super) fn configure(&mut self, st: &Counters, config: CacheConfig) {
+        if config.key != self.config.key {
+            self.invalidate(st);
+        }
+        self.config = config;
+        self.rebuild_lru();
+        self.evict(st);
+    }
+
+    /// Frees the least recently freed buffers until the cache is within its byte cap.
+    pub(super) fn evict(&mut self, st: &Counters) {
+        let Some(cap) = self.config.max_cached_bytes else {
+            return;
+        };
+        while st.cached() > cap {
+            let Some((stamp, slot)) = self.lru.pop_front() else {
+                break;
+            };
+            // Stamps grow, and every older entry has been handled, so the buffer is still free
+            // exactly when it is the oldest of its list.
+            let list = &mut self.slots[slot as usize];
+            if list.free.first().is_some_and(|f| f.stamp == stamp) {
+                let Free { block, .. } = list.free.remove(0);
+                let g = list.gauge;
+                sub(&st.gauge(g).cached, block.bytes());
+                add(&st.evictions, 1);
+                self.free(st, g, block);
+            }
+        }
+    }
+
+    /// Rebuilds the LRU order from the free lists (or drops it when there is no cap).
+    pub(super) fn rebuild_lru(&mut self) {
+        self.lru.clear();
+        if self.config.max_cached_bytes.is_none() {
+            return;
+        }
+        let mut all: Vec<(u64, u32)> = self
+            .slots
+            .iter()
+            .zip(0u32..)
+            .flat_map(|(s, i)| s.free.iter().map(move |f| (f.stamp, i)))
+            .collect();
+        // Stable, so that equal stamps keep list order (oldest first).
+        all.sort_by_key(|&(stamp, _)| stamp);
+        self.lru_limit = 2 * all.len() + 64;
+        self.lru.extend(all);
+    }
+}

@@ -1,0 +1,509 @@
+//! One named cache of one thread: free lists by key, busy accounting, configuration, eviction.
+//!
+//! This file holds the cell, its lock and the hit path; [`key`] the free-list keys and their
+//! hash; [`lists`] the state behind the lock (key table, free lists, least-recently-freed order,
+//! buffers waiting for the scope's exit); [`remote`] what other threads write (returned buffers,
+//! requests, the state after the owner exits).
+//!
+//! # Who touches what
+//!
+//! A [`CacheCell`] belongs to the thread that created it (its *owner*). Its state ([`Inner`]: the
+//! key map, the free lists, the buffers waiting for the scope to exit) sits behind `lock`, a raw
+//! mutex with a twist: the owner takes it when the cache's outermost scope is entered and keeps
+//! it until that scope exits. Inside a scope every allocation and every drop on the owner thread
+//! therefore works on `Inner` directly, with no atomic read-modify-write and nothing another
+//! thread contends for. Outside a scope the owner takes the lock for each operation.
+//!
+//! Other threads touch a cache in three ways only:
+//! * Dropping an array whose buffer came from it: the buffer goes into the cache's `remote`
+//!   queue (its own mutex, on its own cache lines). The owner takes the queue in when a scope of
+//!   the cache is entered (those buffers are free for the step), when it misses (they become
+//!   free when the scope exits), when a scope exits and when it reads its stats. The owner's
+//!   hits never look at the queue.
+//! * Giving the queue back to the device ([`CacheCell::free_returned`]: `empty_cache`,
+//!   `invalidate` and out-of-memory recovery). The queue is not the scope's state, so any thread
+//!   may do this at any time; the bytes it freed are accounted by the next holder of the lock.
+//! * Requests (`empty_cache`, `invalidate`, `configure`, out-of-memory recovery): they are left
+//!   in the remote state and served by whichever thread holds the lock next, at once if it is
+//!   free (see [`CacheCell::request`]): a Dekker handshake on `requested` and the lock, with
+//!   SeqCst fences, so that a request is never missed and nobody blocks on a busy cache.
+//!
+//! # Lifetime
+//!
+//! Arrays point at their home cache with a raw pointer ([`Home`]), not an `Arc`, so a hit costs
+//! no reference count. The owner's registry keeps the cell alive while the thread lives. When the
+//! thread exits it *closes* the cell: free buffers go back to the device, and if arrays from it
+//! are still alive elsewhere (`live > 0`) the cell keeps an `Arc` to itself, which the last of
+//! those arrays to drop releases (a biased reference count: the owner counts without atomics,
+//! other threads count under the `remote` mutex once the cell is closed).
+
+mod key;
+mod lists;
+mod remote;
+
+use std::cell::{Cell, UnsafeCell};
+use std::mem;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*, fence};
+
+use parking_lot::RawMutex;
+use parking_lot::lock_api::RawMutex as _;
+
+use crate::backend::Block;
+use crate::config::CacheConfig;
+use crate::stats::{CacheStats, Counters, DeviceBytes, add};
+use crate::{DType, Device};
+
+use lists::Inner;
+pub(crate) use remote::Requests;
+use remote::{RemoteSide, release_remote};
+
+/// A number naming a thread, unique for the life of the process (never reused).
+pub(crate) type ThreadToken = u64;
+
+thread_local! {
+    static TOKEN: Cell<ThreadToken> = const { Cell::new(0) };
+}
+
+/// This thread's [`ThreadToken`].
+#[inline]
+pub(crate) fn thread_token() -> ThreadToken {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // `TOKEN` has a const initialiser and no destructor, so it can be read at any time, even
+    // while the thread's other thread-locals are being destroyed.
+    TOKEN.with(|t| match t.get() {
+        0 => {
+            let token = NEXT.fetch_add(1, Relaxed);
+            t.set(token);
+            token
+        }
+        token => token,
+    })
+}
+
+/// What an allocation asks for.
+pub(crate) struct Request<'a> {
+    pub(crate) dtype: DType,
+    pub(crate) dims: &'a [usize],
+    pub(crate) device: Device,
+    /// The array's size in bytes, `> 0`.
+    pub(crate) bytes: usize,
+}
+
+/// Where an array's buffer goes back to: its cache, the free list it came from, and the
+/// generation of the cache it belongs to.
+///
+/// Invariant: while a `Home` exists, the block it came with is counted in its cell's `live`
+/// (or, once the cell is closed, in `orphans`), so the cell is alive.
+///
+/// Free lists are never removed or renumbered (invalidation empties them), so `slot` always
+/// names the free list of this block's key, and a generation that wrapped around could at worst
+/// cache a buffer that should have been freed.
+#[derive(Debug)]
+pub(crate) struct Home {
+    cell: NonNull<CacheCell>,
+    slot: u32,
+    generation: u32,
+}
+
+// SAFETY: a `Home` only gives its holder the right to return one block to a `CacheCell`, which is
+// `Sync`; `release` checks which thread it runs on and takes the remote path on any but the
+// owner. The pointee outlives the `Home` by the invariant above.
+unsafe impl Send for Home {}
+// SAFETY: `&Home` allows nothing (all use goes through `release`, which takes the `Home` by value).
+unsafe impl Sync for Home {}
+
+/// The result of looking for a free buffer on the slow path.
+pub(crate) enum Take {
+    /// A recycled buffer, now busy.
+    Hit(Block, Home),
+    /// None free: allocate a buffer of this capacity and [`CacheCell::adopt`] it.
+    Miss { capacity: usize },
+    /// The cache cannot take more keys (2^32 of them): allocate without it.
+    Bypass,
+}
+
+/// One named cache of one thread.
+pub(crate) struct CacheCell {
+    name: Box<str>,
+    thread_name: Box<str>,
+    owner: ThreadToken,
+    lock: RawMutex,
+    /// Active scope entries; written and read by the owner only.
+    depth: AtomicU32,
+    /// Set by the owner when its thread exits; read by the owner only.
+    closed: AtomicBool,
+    inner: UnsafeCell<Inner>,
+    stats: Counters,
+    remote: RemoteSide,
+}
+
+// SAFETY: `inner` is only accessed by the thread holding `lock` (the owner during an active scope
+// or an operation, another thread after `try_lock`), and `Inner` is `Send`. `depth` and `closed`
+// are atomics; the rest is immutable or behind its own mutex.
+unsafe impl Sync for CacheCell {}
+
+/// Holds a cell's lock; releasing it serves the requests left meanwhile.
+struct Held<'a>(&'a CacheCell);
+
+impl Held<'_> {
+    fn inner(&mut self) -> &mut Inner {
+        // SAFETY: (see `CacheCell::locked`) this `Held` holds the lock; `&mut self` makes the
+        // reference unique for as long as it lives.
+        unsafe { self.0.locked() }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        // SAFETY: a `Held` is only made after taking the lock, which it still holds.
+        unsafe { self.0.unlock() };
+    }
+}
+
+impl CacheCell {
+    /// A new, empty cache with `config`, owned by the calling thread.
+    pub(crate) fn new(name: &str, thread_name: &str, config: CacheConfig) -> CacheCell {
+        CacheCell {
+            name: name.into(),
+            thread_name: thread_name.into(),
+            owner: thread_token(),
+            lock: RawMutex::INIT,
+            depth: AtomicU32::new(0),
+            closed: AtomicBool::new(false),
+            inner: UnsafeCell::new(Inner::new(config)),
+            stats: Counters::default(),
+            remote: RemoteSide::default(),
+        }
+    }
+
+    /// The cache's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The name of the owner thread.
+    pub(crate) fn thread_name(&self) -> &str {
+        &self.thread_name
+    }
+
+    /// The number of the owner thread (its [`ThreadToken`]).
+    pub(crate) fn thread_number(&self) -> ThreadToken {
+        self.owner
+    }
+
+    /// Whether the calling thread owns this cache.
+    pub(crate) fn is_owned_here(&self) -> bool {
+        self.owner == thread_token()
+    }
+
+    /// The counters, read without stopping the owner (exact when read by the lock holder).
+    /// Buffers another thread gave back to the device count as freed at once.
+    pub(crate) fn snapshot(&self) -> CacheStats {
+        let mut stats = self.stats.snapshot();
+        let remote = self.remote.state.lock();
+        for &(_, bytes) in &remote.released {
+            stats.device_frees += 1;
+            stats.bytes_in_use = stats.bytes_in_use.saturating_sub(bytes);
+        }
+        stats
+    }
+
+    /// The bytes the cache holds on each device it has used, read as [`CacheCell::snapshot`]
+    /// reads its counters; `waiting` includes buffers other threads returned.
+    pub(crate) fn device_bytes(&self) -> Vec<(Device, DeviceBytes)> {
+        let mut devices: Vec<_> = self.stats.device_bytes().collect();
+        let remote = self.remote.state.lock();
+        fn on(devices: &mut [(Device, DeviceBytes)], device: Device) -> Option<&mut DeviceBytes> {
+            devices
+                .iter_mut()
+                .find(|(d, _)| *d == device)
+                .map(|(_, b)| b)
+        }
+        for &(g, bytes) in &remote.released {
+            if let Some(b) = on(&mut devices, self.stats.gauge_device(g)) {
+                b.held = b.held.saturating_sub(bytes);
+            }
+        }
+        for r in &remote.queue {
+            if let Some(b) = on(&mut devices, r.block.device()) {
+                b.waiting += r.block.bytes();
+            }
+        }
+        devices
+    }
+
+    /// Whether the owner thread has exited (or is exiting) and closed the cache.
+    #[inline]
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Relaxed)
+    }
+
+    #[inline]
+    fn is_active(&self) -> bool {
+        self.depth.load(Relaxed) > 0
+    }
+
+    /// The cache state, for the thread that holds the lock. This is the one place the state
+    /// is reached; every call site cites it.
+    ///
+    /// # Safety
+    /// The calling thread holds `lock`, and no other reference to the state is alive while the
+    /// returned one is. At every call site two facts give this:
+    /// * **Who holds the lock.** The owner takes it at the outermost [`CacheCell::enter`] and
+    ///   keeps it until the matching [`CacheCell::exit`], so on the owner thread, while a scope
+    ///   of the cell is active (`depth > 0`), the owner holds it. Otherwise a [`Held`] guard
+    ///   does (the owner outside a scope, or another thread after `try_lock`).
+    /// * **Nothing nests.** A cache operation takes this reference once, calls only the
+    ///   backend (which knows nothing of caches and scopes) and its own helpers while it holds
+    ///   it, and drops it before it returns. Array drops and allocations inside a scope are
+    ///   separate operations, one after the other, on the owner thread.
+    #[allow(clippy::mut_from_ref)] // the lock, not the borrow, makes it unique
+    #[inline(always)]
+    unsafe fn locked(&self) -> &mut Inner {
+        // SAFETY: the caller upholds the conditions above.
+        unsafe { &mut *self.inner.get() }
+    }
+
+    /// Serves the requests other threads left, then unlocks; serves those left meanwhile.
+    ///
+    /// # Safety
+    /// The calling thread holds `lock`, and no reference to the state is alive.
+    unsafe fn unlock(&self) {
+        loop {
+            if self.remote.requested.load(SeqCst) {
+                // SAFETY: (see `locked`) we hold the lock (the caller's, or re-taken below), and the
+                // caller holds no reference to the state.
+                self.serve_requests(unsafe { self.locked() });
+            }
+            // SAFETY: as above.
+            unsafe { self.lock.unlock() };
+            // Pairs with the fence in `request`: either the requester's `try_lock` sees the lock
+            // free, or we see its request here. If another thread holds the lock again, it
+            // serves the request when it unlocks.
+            fence(SeqCst);
+            if !self.remote.requested.load(SeqCst) || !self.lock.try_lock() {
+                return;
+            }
+        }
+    }
+
+    /// Carries out what other threads asked for (lock holder).
+    fn serve_requests(&self, inner: &mut Inner) {
+        self.remote.requested.store(false, SeqCst);
+        let requests = mem::take(&mut self.remote.state.lock().requests);
+        self.drain_returned(inner, false);
+        if let Some(config) = requests.config {
+            inner.configure(&self.stats, config);
+        }
+        if requests.invalidate {
+            inner.invalidate(&self.stats);
+        }
+        for device in requests.flush {
+            inner.give_back(&self.stats, device, false);
+        }
+    }
+
+    /// Leaves a request for the holder of the lock, from a thread other than the owner. It is
+    /// served at once if the lock is free (by this thread), else when the holder unlocks: the
+    /// owner when its scope exits. Returns whether it was served at once.
+    pub(crate) fn request(&self, add: impl FnOnce(&mut Requests)) -> bool {
+        add(&mut self.remote.state.lock().requests);
+        self.remote.requested.store(true, SeqCst);
+        // Pairs with the fence in `unlock`.
+        fence(SeqCst);
+        // Dropping the `Held` serves the request.
+        self.try_hold().is_some()
+    }
+
+    fn hold(&self) -> Held<'_> {
+        self.lock.lock();
+        Held(self)
+    }
+
+    fn try_hold(&self) -> Option<Held<'_>> {
+        self.lock.try_lock().then(|| Held(self))
+    }
+
+    /// Runs `f` on the cache state. Owner thread only; `f` must not call back into any cache.
+    fn owned<R>(&self, f: impl FnOnce(&mut Inner, &Counters) -> R) -> R {
+        debug_assert!(self.is_owned_here());
+        if self.is_active() {
+            // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
+            f(unsafe { self.locked() }, &self.stats)
+        } else {
+            let mut held = self.hold();
+            f(held.inner(), &self.stats)
+        }
+    }
+
+    /// Enters a scope of this cache on the owner thread. The outermost entry takes the lock and
+    /// the buffers other threads returned meanwhile: they were dropped while the cache was not
+    /// in a scope, so they are free for this step.
+    pub(crate) fn enter(&self) {
+        debug_assert!(self.is_owned_here());
+        let depth = self.depth.load(Relaxed);
+        if depth == 0 {
+            self.lock.lock();
+            // SAFETY: (see `locked`) we just took the lock.
+            self.drain_returned(unsafe { self.locked() }, false);
+        }
+        self.depth.store(depth + 1, Relaxed);
+    }
+
+    /// Exits a scope entered with [`CacheCell::enter`]. The outermost exit frees the buffers
+    /// dropped during the scope (under `Reuse::OnExit`) and takes in those returned by other
+    /// threads, then gives the lock up, serving what other threads asked meanwhile.
+    pub(crate) fn exit(&self) {
+        debug_assert!(self.is_owned_here());
+        let depth = self.depth.load(Relaxed);
+        debug_assert!(depth > 0, "exit without enter");
+        if depth > 1 {
+            self.depth.store(depth - 1, Relaxed);
+            return;
+        }
+        {
+            // SAFETY: (see `locked`) the owner thread, inside the outermost scope of the cell.
+            let inner = unsafe { self.locked() };
+            self.drain_returned(inner, false);
+            inner.settle(&self.stats);
+        }
+        self.depth.store(0, Relaxed);
+        // SAFETY: the lock was taken by the outermost `enter`; the borrow above has ended.
+        unsafe { self.unlock() };
+    }
+
+    /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only
+    /// on this thread's current (hence active) cache.
+    #[inline]
+    pub(crate) fn hit(&self, req: &Request<'_>) -> Option<(Block, Home)> {
+        debug_assert!(self.is_owned_here() && self.is_active());
+        // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
+        let inner = unsafe { self.locked() };
+        let slot = inner.find(inner.key(req))?;
+        let block = inner.pop(&self.stats, slot)?;
+        Some((block, self.home(slot, inner.generation)))
+    }
+
+    /// After [`CacheCell::hit`] found nothing: takes in the buffers other threads returned and
+    /// those whose device work has completed, and looks again. Same conditions as `hit`.
+    pub(crate) fn take(&self, req: &Request<'_>) -> Take {
+        debug_assert!(self.is_owned_here() && self.is_active());
+        // SAFETY: (see `locked`) as in `hit`.
+        let inner = unsafe { self.locked() };
+        self.drain_returned(inner, true);
+        inner.poll_deferred(&self.stats);
+        match inner.slot_of(&self.stats, req) {
+            None => Take::Bypass,
+            Some(slot) => match inner.pop(&self.stats, slot) {
+                Some(block) => Take::Hit(block, self.home(slot, inner.generation)),
+                None => Take::Miss {
+                    capacity: inner.config.key.capacity(req.bytes),
+                },
+            },
+        }
+    }
+
+    /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`].
+    pub(crate) fn adopt(&self, req: &Request<'_>, block: &Block) -> Option<Home> {
+        self.owned(|inner, st| {
+            let slot = inner.slot_of(st, req)?;
+            inner.live += 1;
+            add(&st.misses, 1);
+            st.allocated(inner.slots[slot as usize].gauge, block.bytes());
+            Some(self.home(slot, inner.generation))
+        })
+    }
+
+    #[inline]
+    fn home(&self, slot: u32, generation: u32) -> Home {
+        Home {
+            cell: NonNull::from(self),
+            slot,
+            generation,
+        }
+    }
+
+    /// Frees this cache's free lists (on `device`, or all) from the owner thread; with
+    /// `pending`, also the buffers dropped inside the active scope and not yet free (what
+    /// out-of-memory recovery may take back from its own thread).
+    pub(crate) fn give_back_owned(&self, device: Option<Device>, pending: bool) {
+        self.owned(|inner, st| {
+            self.drain_returned(inner, self.is_active());
+            inner.give_back(st, device, pending);
+        });
+    }
+
+    /// Frees the free lists and the buffers waiting for the scope to exit, and starts a new
+    /// generation: buffers of live arrays are freed, not cached, when they drop (owner thread).
+    pub(crate) fn invalidate(&self) {
+        self.owned(|inner, st| {
+            self.drain_returned(inner, false);
+            inner.invalidate(st);
+        });
+    }
+
+    /// Applies `config` (owner thread). Changing the key policy invalidates the cache.
+    pub(crate) fn configure(&self, config: CacheConfig) {
+        self.owned(|inner, st| inner.configure(st, config));
+    }
+
+    /// Restarts the peak from the bytes held now (any thread).
+    pub(crate) fn reset_peak(&self) {
+        self.stats.reset_peak();
+    }
+
+    /// The counters after taking in buffers returned by other threads (owner thread).
+    pub(crate) fn stats_owned(&self) -> CacheStats {
+        let active = self.is_active();
+        self.owned(|inner, _| self.drain_returned(inner, active));
+        self.snapshot()
+    }
+
+    /// Closes the cache when its owner thread exits: frees what is cached, and from now on
+    /// buffers of arrays still alive are freed when they drop, on any thread.
+    pub(crate) fn close(self: &Arc<Self>) {
+        self.owned(|inner, st| {
+            inner.flush(st, None);
+            inner.free_waiting(st, None);
+            let mut remote = self.remote.state.lock();
+            for (g, bytes) in remote.released.drain(..) {
+                inner.live -= 1;
+                st.freed(g, bytes);
+            }
+            for r in remote.queue.drain(..) {
+                inner.live -= 1;
+                let g = inner.slots[r.slot as usize].gauge;
+                inner.free(st, g, r.block);
+            }
+            remote.closed = true;
+            remote.orphans = inner.live;
+            if inner.live > 0 {
+                remote.keepalive = Some(Arc::clone(self));
+            }
+            self.closed.store(true, Relaxed);
+        });
+    }
+}
+
+/// Returns a block to its home cache, from any thread. `current` is the calling thread's
+/// innermost entered cache (null if none): when it is the block's home, the block goes straight
+/// back, with no check of the thread and no lock.
+#[inline]
+pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
+    // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
+    // have been freed (the remote path drops its last use before releasing the keep-alive).
+    let cell = unsafe { home.cell.as_ref() };
+    if ptr::eq(current, cell) && !cell.is_closed() {
+        // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this is the
+        // owner thread, inside a scope of the cell.
+        let inner = unsafe { cell.locked() };
+        inner.release(&cell.stats, true, home.slot, home.generation, block);
+    } else if cell.is_owned_here() && !cell.is_closed() {
+        let active = cell.is_active();
+        cell.owned(|inner, st| inner.release(st, active, home.slot, home.generation, block));
+    } else {
+        release_remote(home, block);
+    }
+}

@@ -1,0 +1,147 @@
+//! The part of a cache that other threads write: buffers returned by arrays dropped on other
+//! threads, what they asked of the cache (requests), and the state after the owner has exited.
+//!
+//! The return queue is not the scope's state: any thread may give queued buffers back to the
+//! device at any time ([`CacheCell::free_returned`]); the bytes freed that way are accounted by
+//! the next holder of the cell's lock, which takes the queue in ([`CacheCell::drain_returned`]).
+
+use std::mem;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::*};
+
+use parking_lot::Mutex;
+
+use super::lists::Inner;
+use super::{CacheCell, Home};
+use crate::Device;
+use crate::backend::Block;
+use crate::config::CacheConfig;
+
+/// A buffer returned by another thread, waiting for the owner.
+pub(super) struct Returned {
+    pub(super) block: Block,
+    pub(super) slot: u32,
+    pub(super) generation: u32,
+}
+
+/// What other threads asked of the cache, for the next holder of its lock.
+#[derive(Default)]
+pub(crate) struct Requests {
+    /// New options (`configure`).
+    pub(crate) config: Option<CacheConfig>,
+    /// Invalidate the cache.
+    pub(crate) invalidate: bool,
+    /// Free the free lists of these devices (`None`: every device).
+    pub(crate) flush: Vec<Option<Device>>,
+}
+
+/// The part of a cache that other threads write.
+#[derive(Default)]
+pub(super) struct Remote {
+    /// Buffers dropped on other threads while the cell was open.
+    pub(super) queue: Vec<Returned>,
+    /// Buffers of the queue that a thread gave back to the device and the lock holder has not
+    /// accounted yet: (gauge, bytes).
+    pub(super) released: Vec<(u8, usize)>,
+    pub(super) requests: Requests,
+    /// Set once, by the owner, when its thread exits.
+    pub(super) closed: bool,
+    /// After `closed`: blocks still owned by arrays.
+    pub(super) orphans: usize,
+    /// After `closed`, while `orphans > 0`: keeps the cell alive for them.
+    pub(super) keepalive: Option<Arc<CacheCell>>,
+}
+
+/// Keeps what other threads write off the owner's cache lines.
+#[repr(align(128))]
+#[derive(Default)]
+pub(super) struct RemoteSide {
+    pub(super) state: Mutex<Remote>,
+    /// `state.queue` or `state.released` is not empty (a hint, read without the mutex).
+    pub(super) returned: AtomicBool,
+    /// `state.requests` may hold a request (read without the mutex; SeqCst, see `unlock`).
+    pub(super) requested: AtomicBool,
+}
+
+impl CacheCell {
+    /// Takes in the buffers other threads returned (lock holder), and accounts those another
+    /// thread gave back to the device. Cheap when there are none: the mutex is taken only when
+    /// the `returned` hint is set.
+    pub(super) fn drain_returned(&self, inner: &mut Inner, active: bool) {
+        if !self.remote.returned.load(Acquire) {
+            return;
+        }
+        let (returned, released) = {
+            let mut remote = self.remote.state.lock();
+            self.remote.returned.store(false, Relaxed);
+            (
+                mem::take(&mut remote.queue),
+                mem::take(&mut remote.released),
+            )
+        };
+        for (g, bytes) in released {
+            inner.live -= 1;
+            self.stats.freed(g, bytes);
+        }
+        for r in returned {
+            inner.release(&self.stats, active, r.slot, r.generation, r.block);
+        }
+    }
+
+    /// Gives the buffers other threads returned to this cache (on `device`, or all) back to the
+    /// device, from any thread, whatever the owner is doing: they belong to no array and to no
+    /// scope. The next holder of the lock accounts them.
+    pub(crate) fn free_returned(&self, device: Option<Device>) {
+        let freed: Vec<Block> = {
+            let mut remote = self.remote.state.lock();
+            let (freed, kept) = mem::take(&mut remote.queue)
+                .into_iter()
+                .partition(|r| device.is_none_or(|d| d == r.block.device()));
+            remote.queue = kept;
+            let freed: Vec<Block> = freed.into_iter().map(|r: Returned| r.block).collect();
+            for block in &freed {
+                // Every returned block has a slot, hence a gauge for its device.
+                if let Some(g) = self.stats.find_gauge(block.device()) {
+                    remote.released.push((g, block.bytes()));
+                }
+            }
+            freed
+        };
+        if !freed.is_empty() {
+            // The lock holder accounts them when it next takes the queue in.
+            self.remote.returned.store(true, Release);
+        }
+        // Freed outside the mutex: a device free may wait for the device.
+        drop(freed);
+    }
+}
+
+/// Returns a block from a thread other than the owner (or from the owner after it closed).
+pub(super) fn release_remote(home: Home, block: Block) {
+    let keepalive = {
+        // SAFETY: as in `release`; this borrow ends before `keepalive` can free the cell.
+        let cell = unsafe { home.cell.as_ref() };
+        let mut remote = cell.remote.state.lock();
+        if remote.closed {
+            remote.orphans -= 1;
+            let keepalive = if remote.orphans == 0 {
+                remote.keepalive.take()
+            } else {
+                None
+            };
+            drop(remote);
+            drop(block);
+            keepalive
+        } else {
+            remote.queue.push(Returned {
+                block,
+                slot: home.slot,
+                generation: home.generation,
+            });
+            cell.remote.returned.store(true, Release);
+            None
+        }
+    };
+    // May free the cell; nothing borrows it any more.
+    drop(keepalive);
+}

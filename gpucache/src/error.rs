@@ -118,6 +118,50 @@ pub enum Error {
         device: Device,
     },
 
+    /// NCCL (feature `nccl`) could not be loaded: cudarc looks for `libnccl.so` on the library
+    /// search path. Install NCCL; where only `libnccl.so.2` is installed (the runtime package, or
+    /// the `nvidia-nccl` Python wheel), put a `libnccl.so` link to it in a directory on
+    /// `LD_LIBRARY_PATH`.
+    #[cfg(feature = "nccl")]
+    #[error("no NCCL library was found (libnccl.so could not be loaded)")]
+    NcclNotFound,
+
+    /// A call of NCCL failed. NCCL's own error code is kept in the variant (cudarc's
+    /// `NcclError` does not implement `std::error::Error`, so it is not a source).
+    #[cfg(feature = "nccl")]
+    #[error("NCCL call failed with {:?}", .0.0)]
+    Nccl(crate::nccl::NcclError),
+
+    /// A rank (own, root or peer) that is not below the communicator's number of ranks.
+    #[cfg(feature = "nccl")]
+    #[error("rank {rank} is out of range for a communicator of {world_size} ranks")]
+    RankOutOfRange {
+        /// The rank that was given.
+        rank: usize,
+        /// The number of ranks.
+        world_size: usize,
+    },
+
+    /// Text that is not an NCCL unique id: those are 256 hexadecimal digits, as the id's
+    /// `Display` writes them. Pass the id on unchanged.
+    #[cfg(feature = "nccl")]
+    #[error("text of {len} bytes is not an NCCL unique id (256 hexadecimal digits)")]
+    InvalidUniqueId {
+        /// The length of the text, in bytes.
+        len: usize,
+    },
+
+    /// Two arrays that must have the same number of elements (a collective's input and output)
+    /// do not.
+    #[cfg(feature = "nccl")]
+    #[error("expected an array of {expected} elements, got one of {found}")]
+    ArrayLengthMismatch {
+        /// The number of elements needed.
+        expected: usize,
+        /// The number of elements of the array given.
+        found: usize,
+    },
+
     /// A zero-size array owns no device memory, so it has no mutable device view. Check
     /// `is_empty()` first.
     #[error("the array on {device} has no elements, so it has no mutable device view")]

@@ -206,6 +206,16 @@
 //!
 //! [cudarc]: https://docs.rs/cudarc
 //!
+//! ## Several GPUs (feature `nccl`)
+//!
+//! The device is part of every cache key, so one thread (or process) per GPU with its own scopes
+//! is the normal set-up: buffers never cross devices, and out-of-memory recovery releases only
+//! the failing device's buffers. With the `nccl` feature, `nccl::Comm` runs NCCL's
+//! all-reduce, broadcast and send/receive on gpucache arrays, with no copy, on the thread's
+//! current stream of their device; a data-parallel step all-reduces its cached gradients inside
+//! its scope. gpucache is not a communication library: starting ranks and handing NCCL's unique
+//! id over are the program's. The `nccl` module documents the set-ups.
+//!
 //! ## Turning caching off
 //!
 //! `GPUCACHE_DISABLE=1` in the environment (read once, at the first allocation) turns caching
@@ -231,6 +241,8 @@ mod device;
 mod dtype;
 mod error;
 mod instrument;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod registry;
 mod scope;
 mod shape;

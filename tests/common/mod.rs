@@ -186,3 +186,25 @@ pub fn env_or(var: &str, default: usize) -> usize {
         Err(_) => default,
     }
 }
+
+/// CUDA GPUs 0..n, or `None` (after a notice) when this machine has fewer. With
+/// `GPUCACHE_REQUIRE_GPUS=n` (or more) set, fewer GPUs is a test failure instead of a skip.
+#[cfg(feature = "cuda")]
+pub fn gpus(n: usize) -> Option<Vec<Device>> {
+    let found: Result<Vec<Device>, gpucache::Error> = (0..n).map(Device::cuda).collect();
+    match found {
+        Ok(devices) => Some(devices),
+        Err(e) => {
+            let required = std::env::var("GPUCACHE_REQUIRE_GPUS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            assert!(
+                required < n,
+                "GPUCACHE_REQUIRE_GPUS={required} but {n} CUDA devices are not usable: {e}"
+            );
+            eprintln!("notice: {n}-GPU test skipped: {e}");
+            None
+        }
+    }
+}

@@ -1,9 +1,10 @@
 //! Two GPUs: per-device caches, per-device out-of-memory recovery and statistics, device checks,
 //! per-device current streams, and NCCL collectives on cached arrays (feature `nccl`).
 //!
-//! Each test skips with a notice when fewer than two CUDA GPUs are usable, and fails instead
-//! when `GPUCACHE_REQUIRE_GPUS=2` (or more) is set. Under `GPUCACHE_DISABLE=1` (caching off)
-//! the checks of hit counts are left out.
+//! A libtest-mimic harness: the two-GPU tests are listed as ignored (after a notice) when fewer
+//! than two CUDA GPUs are usable, and fail instead when `GPUCACHE_REQUIRE_GPUS=2` (or more) is
+//! set; the others always run. Under `GPUCACHE_DISABLE=1` (caching off) the checks of hit counts
+//! are left out.
 
 mod common;
 
@@ -66,7 +67,6 @@ fn current(dev: Device) -> Arc<CudaStream> {
     gpucache::cuda::current_stream(dev).expect("current stream")
 }
 
-#[test]
 fn a_device_past_the_last_gpu_is_a_typed_error() {
     if let Err(
         e @ (Error::CudaDriverNotFound { .. } | Error::CudaDeviceNotFound { count: 0, .. }),
@@ -92,7 +92,6 @@ fn a_device_past_the_last_gpu_is_a_typed_error() {
     }
 }
 
-#[test]
 fn a_buffer_is_never_served_to_another_device() -> TestResult {
     let Some((d0, d1, _gpu)) = two_gpus() else {
         return Ok(());
@@ -137,7 +136,6 @@ fn a_buffer_is_never_served_to_another_device() -> TestResult {
     Ok(())
 }
 
-#[test]
 fn device_stats_are_per_device() -> TestResult {
     let Some((d0, d1, _gpu)) = two_gpus() else {
         return Ok(());
@@ -164,7 +162,6 @@ fn device_stats_are_per_device() -> TestResult {
     Ok(())
 }
 
-#[test]
 fn out_of_memory_on_one_device_releases_only_that_devices_buffers() -> TestResult {
     let Some((d0, d1, _gpu)) = two_gpus() else {
         return Ok(());
@@ -237,7 +234,6 @@ fn out_of_memory_on_one_device_releases_only_that_devices_buffers() -> TestResul
     Ok(())
 }
 
-#[test]
 fn current_streams_are_per_device_and_per_thread() -> TestResult {
     let Some((d0, d1, _gpu)) = two_gpus() else {
         return Ok(());
@@ -304,7 +300,6 @@ const CHILD: &str = "GPUCACHE_TEST_FOREIGN_LAUNCH_CHILD";
 /// afterwards), or, where peer access is enabled, reads device 1's memory. The test runs that
 /// launch in a child process and checks that the outcome is one of the two: an error, or the
 /// right values, never other values and never a crash of the process.
-#[test]
 fn a_launch_with_an_array_of_another_device_fails_cleanly_or_reads_it() -> TestResult {
     if std::env::var_os(CHILD).is_some() {
         return foreign_launch_child();
@@ -399,7 +394,6 @@ fn on_two_ranks(f: impl Fn(usize, Device, &Comm) -> TestResult + Sync) -> Option
     }))
 }
 
-#[test]
 fn collectives_work_on_cached_arrays_with_no_copy() -> TestResult {
     let Some(result) = on_two_ranks(|rank, dev, comm| {
         let name = "mg-nccl";
@@ -453,7 +447,6 @@ fn collectives_work_on_cached_arrays_with_no_copy() -> TestResult {
     result
 }
 
-#[test]
 fn collectives_refuse_arrays_of_another_device_and_bad_ranks() -> TestResult {
     let Some(result) = on_two_ranks(|rank, dev, comm| {
         let other = Device::Cuda(1 - ordinal(dev));
@@ -513,7 +506,6 @@ fn collectives_refuse_arrays_of_another_device_and_bad_ranks() -> TestResult {
     result
 }
 
-#[test]
 fn a_collective_on_a_side_stream_orders_the_buffers_reuse() -> TestResult {
     let Some(result) = on_two_ranks(|rank, dev, comm| {
         let name = "mg-nccl-side";
@@ -540,7 +532,6 @@ fn a_collective_on_a_side_stream_orders_the_buffers_reuse() -> TestResult {
     result
 }
 
-#[test]
 fn bad_ranks_and_ids_are_typed_errors_without_a_gpu() {
     let id = UniqueId::from_bytes([7; 128]);
     assert!(matches!(
@@ -562,4 +553,72 @@ fn bad_ranks_and_ids_are_typed_errors_without_a_gpu() {
             Err(Error::InvalidUniqueId { len }) if len == bad.len()
         ));
     }
+}
+
+/// A test that needs two GPUs.
+type TwoGpuTest = fn() -> TestResult;
+
+/// The tests that need two GPUs.
+const TWO_GPU_TESTS: &[(&str, TwoGpuTest)] = &[
+    (
+        "a_buffer_is_never_served_to_another_device",
+        a_buffer_is_never_served_to_another_device,
+    ),
+    ("device_stats_are_per_device", device_stats_are_per_device),
+    (
+        "out_of_memory_on_one_device_releases_only_that_devices_buffers",
+        out_of_memory_on_one_device_releases_only_that_devices_buffers,
+    ),
+    (
+        "current_streams_are_per_device_and_per_thread",
+        current_streams_are_per_device_and_per_thread,
+    ),
+    (
+        "a_launch_with_an_array_of_another_device_fails_cleanly_or_reads_it",
+        a_launch_with_an_array_of_another_device_fails_cleanly_or_reads_it,
+    ),
+    (
+        "collectives_work_on_cached_arrays_with_no_copy",
+        collectives_work_on_cached_arrays_with_no_copy,
+    ),
+    (
+        "collectives_refuse_arrays_of_another_device_and_bad_ranks",
+        collectives_refuse_arrays_of_another_device_and_bad_ranks,
+    ),
+    (
+        "a_collective_on_a_side_stream_orders_the_buffers_reuse",
+        a_collective_on_a_side_stream_orders_the_buffers_reuse,
+    ),
+];
+
+/// The tests that need no GPU.
+const HOST_TESTS: &[(&str, fn())] = &[
+    (
+        "a_device_past_the_last_gpu_is_a_typed_error",
+        a_device_past_the_last_gpu_is_a_typed_error,
+    ),
+    (
+        "bad_ranks_and_ids_are_typed_errors_without_a_gpu",
+        bad_ranks_and_ids_are_typed_errors_without_a_gpu,
+    ),
+];
+
+fn main() {
+    let mut args = libtest_mimic::Arguments::from_args();
+    // The tests compare device-wide counters and fill a GPU: one at a time.
+    args.test_threads = Some(1);
+    let two = common::gpus(2).is_some();
+    let mut trials: Vec<_> = TWO_GPU_TESTS
+        .iter()
+        .map(|&(name, test)| {
+            libtest_mimic::Trial::test(name, move || test().map_err(|e| e.to_string().into()))
+                .with_ignored_flag(!two)
+        })
+        .collect();
+    trials.extend(
+        HOST_TESTS
+            .iter()
+            .map(|&(name, test)| common::host_trial(name.into(), test)),
+    );
+    libtest_mimic::run(&args, trials).exit();
 }

@@ -15,6 +15,7 @@ use gpucache::{Array, CacheConfig, Device, Element, Shape, enter};
 /// * a `#[test]` `on_cpu::name` that runs it on `Device::Cpu` (holding [`shared`]);
 /// * an entry of the module's `DEVICE_TESTS`, which the GPU harness (`tests/cuda`) runs on the
 ///   GPU, where it shows as ignored when there is no GPU.
+#[allow(unused_macros)] // not every test binary declares device tests
 macro_rules! device_tests {
     ($($(#[doc = $doc:literal])* fn $name:ident($dev:ident, $cache:ident) $body:block)*) => {
         $(
@@ -37,6 +38,7 @@ macro_rules! device_tests {
         }
     };
 }
+#[allow(unused_imports)]
 pub(crate) use device_tests;
 
 /// Runs a test of [`device_tests!`] on `dev`, holding [`shared`].
@@ -188,7 +190,7 @@ pub fn env_or(var: &str, default: usize) -> usize {
 }
 
 /// CUDA GPUs 0..n, or `None` (after a notice) when this machine has fewer. With
-/// `GPUCACHE_REQUIRE_GPUS=n` (or more) set, fewer GPUs is a test failure instead of a skip.
+/// `GPUCACHE_REQUIRE_GPUS=n` (or more) set, fewer GPUs is a failure instead.
 #[cfg(feature = "cuda")]
 pub fn gpus(n: usize) -> Option<Vec<Device>> {
     let found: Result<Vec<Device>, gpucache::Error> = (0..n).map(Device::cuda).collect();
@@ -203,7 +205,7 @@ pub fn gpus(n: usize) -> Option<Vec<Device>> {
                 required < n,
                 "GPUCACHE_REQUIRE_GPUS={required} but {n} CUDA devices are not usable: {e}"
             );
-            eprintln!("notice: {n}-GPU test skipped: {e}");
+            eprintln!("notice: the {n}-GPU tests are ignored: {e}");
             None
         }
     }

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use gpucache::testing::{CountingBackend, use_backend};
+use crate::common;
 use gpucache::{Array, Device, enter, stats};
 
 const CHILD: &str = "disable::disabled_caching_allocates_and_frees_directly";
@@ -19,8 +19,7 @@ fn disabled_caching_allocates_and_frees_directly() {
         assert!(status.success(), "the run with GPUCACHE_DISABLE=1 failed");
         return;
     }
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     for _ in 0..3 {
         let _scope = enter("disabled");
         assert_eq!(gpucache::current_scope().as_deref(), Some("disabled"));

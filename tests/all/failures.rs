@@ -166,8 +166,7 @@ fn cache_three(name: &str) {
 #[test]
 fn a_failed_allocation_releases_the_cache_and_retries_once() {
     let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     cache_three("retry");
     assert_eq!(backend.outstanding_bytes(), 3 * 1024);
     backend.fail_nth(1);
@@ -186,8 +185,7 @@ fn a_failed_allocation_releases_the_cache_and_retries_once() {
 #[test]
 fn out_of_memory_after_the_retry_is_a_typed_error_and_nothing_leaks() {
     let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     let live = escaping_step(Device::Cpu, "oom", 1.0);
     backend.fail_nth(1);
     backend.fail_nth(2);
@@ -221,8 +219,7 @@ fn out_of_memory_after_the_retry_is_a_typed_error_and_nothing_leaks() {
 #[test]
 fn a_device_limit_is_met_by_releasing_the_cache() {
     let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     cache_three("limit");
     backend.set_limit(Some(4096));
     let _scope = enter("limit");

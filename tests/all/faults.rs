@@ -163,8 +163,7 @@ fn run_workload(
     steps: usize,
     faults: impl FnOnce(&CountingBackend),
 ) -> (Vec<Outcome>, Vec<u64>, Arc<CountingBackend>) {
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     faults(&backend);
     let mut w = Workload::new(&backend, name);
     w.run(steps);
@@ -188,8 +187,7 @@ fn every_nth_failure_is_absorbed_by_the_retry() {
 #[test]
 fn a_device_that_fails_everything_still_serves_hits() {
     let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     let mut w = Workload::new(&backend, "fail-all");
     w.run(2);
     backend.fail_every(1);
@@ -218,8 +216,7 @@ fn a_device_that_fails_everything_still_serves_hits() {
 fn two_failures_in_a_row_are_out_of_memory_and_the_thread_keeps_working() {
     let _serial = serial();
     for n in [2, 3, 7, 50] {
-        let backend = CountingBackend::new();
-        let _installed = use_backend(&backend);
+        let (backend, _installed) = common::counting();
         backend.fail_every(n);
         let mut w = Workload::new(&backend, &format!("double-{n}"));
         for i in 0..60 {

@@ -347,8 +347,7 @@ common::device_tests! {
 #[test]
 fn allocations_outside_any_scope_are_not_cached() {
     let _shared = common::shared();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     assert_eq!(gpucache::current_scope(), None);
     for _ in 0..3 {
         let a = Array::<f32>::zeros(Device::Cpu, N).unwrap();

@@ -88,8 +88,7 @@ fn empty_cache_frees_buffers_returned_by_other_threads_whatever_the_owner_does()
 #[test]
 fn out_of_memory_recovery_frees_returned_buffers_and_reports_what_is_true() {
     let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     let (to, arrays) = channel();
     let (go, wait) = channel();
     let worker = producer(&backend, "oom-returned", 100, true, to, wait);
@@ -129,8 +128,7 @@ fn out_of_memory_recovery_frees_returned_buffers_and_reports_what_is_true() {
 #[test]
 fn out_of_memory_counts_buffers_held_by_another_threads_active_scope_as_cached() {
     let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
+    let (backend, _installed) = common::counting();
     let (ready, is_ready) = channel();
     let (go, wait) = channel::<()>();
     let worker = {

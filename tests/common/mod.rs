@@ -47,6 +47,17 @@ pub fn on_device(dev: Device, test: &str, f: fn(Device, &str)) {
     f(dev, &format!("{test}@{dev}"));
 }
 
+/// A fresh counting backend, installed for `Device::Cpu` on this thread until the guard drops.
+#[allow(dead_code)] // not every test binary counts
+pub fn counting() -> (
+    std::sync::Arc<gpucache::testing::CountingBackend>,
+    gpucache::testing::BackendGuard,
+) {
+    let backend = gpucache::testing::CountingBackend::new();
+    let installed = gpucache::testing::use_backend(&backend);
+    (backend, installed)
+}
+
 /// What a GPU test returns.
 pub type TestResult = Result<(), Box<dyn std::error::Error>>;
 

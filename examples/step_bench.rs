@@ -10,7 +10,9 @@
 //! same step through `gpucache::cuda::StepGraph`: captured once warm, then one graph launch
 //! per step); cudarc's default allocation (`cuMemAllocAsync` from the device's default pool,
 //! release threshold 0, freed on drop); and `cuMemAllocAsync` with the pool's release
-//! threshold at its maximum (the pool keeps what is freed). Every variant trains its own copy
+//! threshold at its maximum (the pool keeps what is freed); and, with event tracking off, the
+//! preallocated step captured by hand with cudarc's graph API and replayed (the floor for
+//! graph replay: no scope, no checks). Every variant trains its own copy
 //! of the same model on the same batch, on one non-default stream (a graph cannot be captured
 //! on the default stream), with one synchronisation per step (as reading the loss would
 //! cost); a step's time is host wall-clock time to that synchronisation.
@@ -31,9 +33,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpucache::cuda::StepGraph;
-use gpucache::cuda::cudarc::driver::CudaStream;
 use gpucache::cuda::cudarc::driver::result;
-use gpucache::cuda::cudarc::driver::sys::CUmemPool_attribute;
+use gpucache::cuda::cudarc::driver::sys::{
+    CUgraphInstantiate_flags, CUmemPool_attribute, CUstreamCaptureMode,
+};
+use gpucache::cuda::cudarc::driver::{CudaGraph, CudaStream};
 use gpucache::{Array, Device};
 use mlp::{Cached, Cudarc, Dims, Gpu, Mlp, Preallocated, Result, median};
 
@@ -42,6 +46,9 @@ const LEARNING_RATE: f32 = 0.01;
 /// Where a variant's buffers come from.
 enum Source {
     Preallocated(Preallocated),
+    /// The preallocated step captured by hand with cudarc's graph API (event tracking off),
+    /// then replayed.
+    HandGraph(Preallocated, Option<CudaGraph>),
     Eager,
     Graph(StepGraph),
     /// cuMemAllocAsync with the pool's release threshold set to this.
@@ -103,6 +110,16 @@ impl Variant {
                     pre.rewind();
                     model.step(pre, gpu, x, y, loss, LEARNING_RATE)?;
                 }
+                Source::HandGraph(pre, graph) => {
+                    if graph.is_none() {
+                        pre.rewind();
+                        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+                        gpu.stream.begin_capture(mode)?;
+                        model.step(pre, gpu, x, y, loss, LEARNING_RATE)?;
+                        *graph = gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
+                    }
+                    graph.as_ref().ok_or("empty graph")?.launch()?;
+                }
                 Source::Eager => {
                     let _scope = gpucache::enter("step_bench");
                     model.step(&cached, gpu, x, y, loss, LEARNING_RATE)?;
@@ -129,20 +146,19 @@ impl Variant {
 }
 
 /// Benchmarks one model size; prints its table.
-fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize) -> Result<()> {
+fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize, tracking: bool) -> Result<()> {
     let dev = gpu.dev;
     let data = dims.data(gpu, 1, 1)?;
     let (x, y) = &data[0];
-    let mut pre = Preallocated::new(Arc::clone(&gpu.stream));
-    pre.allocate(&dims.step_buffers())?;
+    let preallocated = || -> Result<Preallocated> {
+        let mut pre = Preallocated::new(Arc::clone(&gpu.stream));
+        pre.allocate(&dims.step_buffers())?;
+        Ok(pre)
+    };
     let graph = StepGraph::new("step_bench_graph", dev);
+    let pre = Source::Preallocated(preallocated()?);
     let mut variants = vec![
-        Variant::new(
-            "preallocated by hand",
-            Source::Preallocated(pre),
-            &dims,
-            dev,
-        )?,
+        Variant::new("preallocated by hand", pre, &dims, dev)?,
         Variant::new("gpucache eager", Source::Eager, &dims, dev)?,
         Variant::new("gpucache graph replay", Source::Graph(graph), &dims, dev)?,
         Variant::new("cudarc default (threshold 0)", Source::Pool(0), &dims, dev)?,
@@ -153,6 +169,15 @@ fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize) -> Result<()> {
             dev,
         )?,
     ];
+    if !tracking {
+        let hand = Source::HandGraph(preallocated()?, None);
+        variants.push(Variant::new(
+            "preallocated, captured by hand",
+            hand,
+            &dims,
+            dev,
+        )?);
+    }
     let n = variants.len();
     for round in 0..=rounds {
         for i in 0..n {
@@ -261,7 +286,7 @@ fn main() -> Result<()> {
         output: 64,
         layers: 4,
     };
-    bench(&gpu, small, rounds, 300)?;
-    bench(&gpu, large, rounds, 20)?;
+    bench(&gpu, small, rounds, 300, tracking)?;
+    bench(&gpu, large, rounds, 20, tracking)?;
     Ok(())
 }

@@ -13,7 +13,7 @@ mod common;
 mod mlp;
 
 use std::error::Error as StdError;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 use gpucache::cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpucache::cuda::cudarc::nvrtc::compile_ptx;
@@ -25,14 +25,21 @@ type TestResult = Result<(), Box<dyn StdError>>;
 
 /// CUDA GPU 0 with a new stream made the thread's current stream (a graph cannot be captured
 /// on the default stream), or `None` when there is no GPU (after the notice of
-/// `common::devices`).
-fn gpu() -> Option<(Device, Arc<CudaStream>, StreamGuard)> {
+/// `common::devices`). The tests run one at a time: a capture fails when another thread
+/// synchronises the whole context meanwhile, as the failing captures here do.
+fn gpu() -> Option<(
+    Device,
+    Arc<CudaStream>,
+    StreamGuard,
+    MutexGuard<'static, ()>,
+)> {
+    let serial = common::serial();
     let dev = common::devices().into_iter().find(|d| *d != Device::Cpu)?;
     let stream = gpucache::cuda::context(dev)
         .and_then(|ctx| Ok(ctx.new_stream()?))
         .expect("a new stream");
     let on = gpucache::cuda::use_stream(&stream).expect("a stream of the primary context");
-    Some((dev, stream, on))
+    Some((dev, stream, on, serial))
 }
 
 /// `fill(a, v, n)`: a[i] = v; `add(out, a, n)`: out[i] += a[i].
@@ -93,7 +100,7 @@ fn assert_all(a: &Array<f32>, want: f32) -> TestResult {
 
 #[test]
 fn replayed_mlp_steps_compute_what_eager_steps_compute() -> TestResult {
-    let Some((dev, _stream, _on)) = gpu() else {
+    let Some((dev, _stream, _on, _serial)) = gpu() else {
         return Ok(());
     };
     let dims = Dims {
@@ -155,7 +162,7 @@ fn replayed_mlp_steps_compute_what_eager_steps_compute() -> TestResult {
 
 #[test]
 fn a_shape_change_during_capture_is_a_typed_error_and_runs_nothing() -> TestResult {
-    let Some((dev, stream, _on)) = gpu() else {
+    let Some((dev, stream, _on, _serial)) = gpu() else {
         return Ok(());
     };
     let k = kernels(&stream)?;
@@ -195,7 +202,7 @@ fn a_shape_change_during_capture_is_a_typed_error_and_runs_nothing() -> TestResu
 
 #[test]
 fn a_graph_holds_its_buffers_until_dropped() -> TestResult {
-    let Some((dev, stream, _on)) = gpu() else {
+    let Some((dev, stream, _on, _serial)) = gpu() else {
         return Ok(());
     };
     let k = kernels(&stream)?;
@@ -228,7 +235,7 @@ fn a_graph_holds_its_buffers_until_dropped() -> TestResult {
 
 #[test]
 fn invalidate_configure_and_a_dropped_input_make_it_capture_again() -> TestResult {
-    let Some((dev, stream, _on)) = gpu() else {
+    let Some((dev, stream, _on, _serial)) = gpu() else {
         return Ok(());
     };
     let k = kernels(&stream)?;
@@ -271,7 +278,7 @@ fn invalidate_configure_and_a_dropped_input_make_it_capture_again() -> TestResul
 
 #[test]
 fn immediate_reuse_inside_a_step_is_captured() -> TestResult {
-    let Some((dev, stream, _on)) = gpu() else {
+    let Some((dev, stream, _on, _serial)) = gpu() else {
         return Ok(());
     };
     let k = kernels(&stream)?;
@@ -297,7 +304,7 @@ fn immediate_reuse_inside_a_step_is_captured() -> TestResult {
 
 #[test]
 fn other_streams_and_host_copies_are_typed_errors() -> TestResult {
-    let Some((dev, stream, on)) = gpu() else {
+    let Some((dev, stream, on, _serial)) = gpu() else {
         return Ok(());
     };
     let k = kernels(&stream)?;

@@ -92,7 +92,10 @@
 //!   [`Error::CaptureForeignStream`] when gpucache sees it (an array passed to cuBLAS or a copy
 //!   on another stream, [`Array::record_stream`], a recycled buffer last used elsewhere), and
 //!   otherwise the driver's error (a stream forked from the capture and not joined back), as
-//!   [`Error::CaptureFailed`].
+//!   [`Error::CaptureFailed`]. A synchronisation of the whole context on any thread while a
+//!   capture is in progress (`CudaContext::synchronize`) makes the driver end that capture
+//!   with an error too; the next run warms up and captures again. (gpucache itself does so
+//!   only to recover from out of memory, and after a capture that touched another stream.)
 //! * **Inputs and outputs** live in arrays allocated outside the step, so their addresses are
 //!   fixed: copy the next batch into the input arrays before a run, read the results after.
 //!   Once captured, the closure is *not called*: a replay reruns exactly the captured work, on

@@ -405,9 +405,10 @@ impl StepGraph {
         let result = step();
         let (graph, mut state) = run.finish();
         let failure = state.failure.take();
-        if failure.is_some() || graph.is_err() {
-            // Work the step queued on other streams ran eagerly on the buffers the run holds:
-            // let it finish before they go back to the cache.
+        if let Some(Error::CaptureForeignStream { .. }) = failure {
+            // The step queued work on another stream, which runs eagerly on buffers the run
+            // holds: let it finish before they go back to their caches. (Which stream is not
+            // known here, so the whole context; another thread's capture in progress fails.)
             let ctx = stream.context();
             ctx.record_err(ctx.synchronize());
         }

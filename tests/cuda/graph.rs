@@ -5,41 +5,56 @@
 //! cannot hold (another stream, host copies, cudarc buffers waiting on outside events) is a
 //! typed error.
 //!
-//! Each test skips with a notice when no CUDA GPU is usable (and fails instead when
-//! `GPUCACHE_REQUIRE_GPU=1`).
-
-mod common;
-#[path = "../examples/mlp/mod.rs"]
-mod mlp;
+//! The harness in `main.rs` runs them one at a time (a capture fails when another thread
+//! synchronises the whole context meanwhile, as the failing captures here do), and lists them
+//! as ignored without a GPU.
 
 use std::error::Error as StdError;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 
 use gpucache::cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpucache::cuda::cudarc::nvrtc::compile_ptx;
 use gpucache::cuda::{Ran, StepGraph, StreamGuard};
 use gpucache::{Array, CacheConfig, Device, Error, Reuse, stats};
-use mlp::{Cached, Dims, Gpu, Mlp};
 
-type TestResult = Result<(), Box<dyn StdError>>;
+use crate::common::TestResult;
+use crate::gpu::GpuTest;
+use crate::mlp::{Cached, Dims, Gpu, Mlp};
 
-/// CUDA GPU 0 with a new stream made the thread's current stream (a graph cannot be captured
-/// on the default stream), or `None` when there is no GPU (after the notice of
-/// `common::devices`). The tests run one at a time: a capture fails when another thread
-/// synchronises the whole context meanwhile, as the failing captures here do.
-fn gpu() -> Option<(
-    Device,
-    Arc<CudaStream>,
-    StreamGuard,
-    MutexGuard<'static, ()>,
-)> {
-    let serial = common::serial();
-    let dev = common::devices().into_iter().find(|d| *d != Device::Cpu)?;
-    let stream = gpucache::cuda::context(dev)
-        .and_then(|ctx| Ok(ctx.new_stream()?))
-        .expect("a new stream");
-    let on = gpucache::cuda::use_stream(&stream).expect("a stream of the primary context");
-    Some((dev, stream, on, serial))
+/// The tests that need a GPU.
+pub const TESTS: &[(&str, GpuTest)] = &[
+    (
+        "replayed_mlp_steps_compute_what_eager_steps_compute",
+        replayed_mlp_steps_compute_what_eager_steps_compute,
+    ),
+    (
+        "a_shape_change_during_capture_is_a_typed_error_and_runs_nothing",
+        a_shape_change_during_capture_is_a_typed_error_and_runs_nothing,
+    ),
+    (
+        "a_graph_holds_its_buffers_until_dropped",
+        a_graph_holds_its_buffers_until_dropped,
+    ),
+    (
+        "invalidate_configure_and_a_dropped_input_make_it_capture_again",
+        invalidate_configure_and_a_dropped_input_make_it_capture_again,
+    ),
+    (
+        "immediate_reuse_inside_a_step_is_captured",
+        immediate_reuse_inside_a_step_is_captured,
+    ),
+    (
+        "other_streams_and_host_copies_are_typed_errors",
+        other_streams_and_host_copies_are_typed_errors,
+    ),
+];
+
+/// A new stream of `dev`'s context made the thread's current stream (a graph cannot be
+/// captured on the default stream).
+fn on_new_stream(dev: Device) -> Result<(Arc<CudaStream>, StreamGuard), Box<dyn StdError>> {
+    let stream = gpucache::cuda::context(dev)?.new_stream()?;
+    let on = gpucache::cuda::use_stream(&stream)?;
+    Ok((stream, on))
 }
 
 /// `fill(a, v, n)`: a[i] = v; `add(out, a, n)`: out[i] += a[i].
@@ -98,11 +113,8 @@ fn assert_all(a: &Array<f32>, want: f32) -> TestResult {
     Ok(())
 }
 
-#[test]
-fn replayed_mlp_steps_compute_what_eager_steps_compute() -> TestResult {
-    let Some((dev, _stream, _on, _serial)) = gpu() else {
-        return Ok(());
-    };
+fn replayed_mlp_steps_compute_what_eager_steps_compute(dev: Device) -> TestResult {
+    let (_stream, _on) = on_new_stream(dev)?;
     let dims = Dims {
         batch: 32,
         input: 64,
@@ -160,11 +172,8 @@ fn replayed_mlp_steps_compute_what_eager_steps_compute() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn a_shape_change_during_capture_is_a_typed_error_and_runs_nothing() -> TestResult {
-    let Some((dev, stream, _on, _serial)) = gpu() else {
-        return Ok(());
-    };
+fn a_shape_change_during_capture_is_a_typed_error_and_runs_nothing(dev: Device) -> TestResult {
+    let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let mut out = Array::<f32>::zeros(dev, 256)?;
     let mut graph = StepGraph::new("graph-shape", dev);
@@ -200,11 +209,8 @@ fn a_shape_change_during_capture_is_a_typed_error_and_runs_nothing() -> TestResu
     assert_all(&out, 6.0)
 }
 
-#[test]
-fn a_graph_holds_its_buffers_until_dropped() -> TestResult {
-    let Some((dev, stream, _on, _serial)) = gpu() else {
-        return Ok(());
-    };
+fn a_graph_holds_its_buffers_until_dropped(dev: Device) -> TestResult {
+    let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let mut out = Array::<f32>::zeros(dev, 1024)?;
     let mut graph = StepGraph::new("graph-held", dev);
@@ -233,11 +239,8 @@ fn a_graph_holds_its_buffers_until_dropped() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn invalidate_configure_and_a_dropped_input_make_it_capture_again() -> TestResult {
-    let Some((dev, stream, _on, _serial)) = gpu() else {
-        return Ok(());
-    };
+fn invalidate_configure_and_a_dropped_input_make_it_capture_again(dev: Device) -> TestResult {
+    let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let mut out = Array::<f32>::zeros(dev, 256)?;
     let mut graph = StepGraph::new("graph-again", dev);
@@ -276,11 +279,8 @@ fn invalidate_configure_and_a_dropped_input_make_it_capture_again() -> TestResul
     Ok(())
 }
 
-#[test]
-fn immediate_reuse_inside_a_step_is_captured() -> TestResult {
-    let Some((dev, stream, _on, _serial)) = gpu() else {
-        return Ok(());
-    };
+fn immediate_reuse_inside_a_step_is_captured(dev: Device) -> TestResult {
+    let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let immediate = CacheConfig {
         reuse: Reuse::Immediate,
@@ -302,11 +302,8 @@ fn immediate_reuse_inside_a_step_is_captured() -> TestResult {
     assert_all(&out, 8.0)
 }
 
-#[test]
-fn other_streams_and_host_copies_are_typed_errors() -> TestResult {
-    let Some((dev, stream, on, _serial)) = gpu() else {
-        return Ok(());
-    };
+fn other_streams_and_host_copies_are_typed_errors(dev: Device) -> TestResult {
+    let (stream, on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let other = gpucache::cuda::context(dev)?.new_stream()?;
     let mut out = Array::<f32>::zeros(dev, 256)?;

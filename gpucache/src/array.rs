@@ -143,6 +143,17 @@ impl<T: Element> Array<T> {
                 Some((c, Take::Miss { capacity })) => (Some(c), capacity),
                 Some((_, Take::Bypass)) | None => (None, bytes),
             };
+            #[cfg(feature = "cuda")]
+            if device != Device::Cpu && crate::cuda::graph::capturing() {
+                // A device allocation would be captured into the graph, not made now.
+                let cache = cache.map_or_else(String::new, |c| c.name().to_owned());
+                return Err(crate::cuda::graph::fail(|| Error::CaptureMiss {
+                    cache: cache.clone(),
+                    dtype: T::DTYPE,
+                    dims: shape.dims().to_vec(),
+                    device,
+                }));
+            }
             let block = registry::alloc_block(device, capacity, bytes, zero_new)?;
             let home = cache.and_then(|c| c.adopt(&req, &block));
             Ok((block, home, false))
@@ -291,9 +302,16 @@ impl<T: Element> Array<T> {
 
 impl<T: Element> Drop for Array<T> {
     fn drop(&mut self) {
-        if let Some(mut block) = self.block.take() {
+        if let Some(block) = self.block.take() {
+            let home = self.home.take();
+            // A step graph run keeps the buffer until the run ends.
+            #[cfg(feature = "cuda")]
+            let Some((block, home)) = crate::cuda::graph::hold(block, home) else {
+                return;
+            };
+            let mut block = block;
             block.end_use();
-            match self.home.take() {
+            match home {
                 Some(home) => cache::release(home, block, scope::current_ptr()),
                 None => drop(block),
             }

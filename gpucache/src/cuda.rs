@@ -76,6 +76,81 @@
 //! copies that take an array through cudarc wait for and record the buffer's read/write events,
 //! as for any `CudaSlice`.
 //!
+//! # CUDA graphs
+//!
+//! A warm scope hands out the same buffers in the same order every step, which is what CUDA
+//! graph capture needs. [`StepGraph`] runs a step (a closure) eagerly in a named scope until
+//! the scope is warm (a run that missed no allocation), captures the next run once on the
+//! thread's current stream, launches the graph, and from then on replays it: one launch per
+//! step instead of every kernel, cuBLAS call and memset. See `examples/step_bench.rs` for what
+//! it saves.
+//!
+//! * **Streams.** The legacy default stream cannot be captured: make a stream of the device's
+//!   context the thread's current stream ([`use_stream`]) before setting up the step (create
+//!   cuBLAS handles on it, launch on it). A run on the default stream is
+//!   [`Error::CaptureDefaultStream`]. Work the step puts on another stream is
+//!   [`Error::CaptureForeignStream`] when gpucache sees it (an array passed to cuBLAS or a copy
+//!   on another stream, [`Array::record_stream`], a recycled buffer last used elsewhere), and
+//!   otherwise the driver's error (a stream forked from the capture and not joined back), as
+//!   [`Error::CaptureFailed`]. A synchronisation of the whole context on any thread while a
+//!   capture is in progress (`CudaContext::synchronize`) makes the driver end that capture
+//!   with an error too; the next run warms up and captures again. (gpucache itself does so
+//!   only to recover from out of memory, and after a capture that touched another stream.)
+//! * **Inputs and outputs** live in arrays allocated outside the step, so their addresses are
+//!   fixed: copy the next batch into the input arrays before a run, read the results after.
+//!   Once captured, the closure is *not called*: a replay reruns exactly the captured work, on
+//!   the captured arrays. Host copies inside the step ([`Array::from_slice`], [`Array::to_vec`])
+//!   are [`Error::CaptureUnsupported`].
+//! * **Allocations inside the capture must be cache hits.** A miss (a shape that changed since
+//!   the warm-up) allocates nothing and returns [`Error::CaptureMiss`]; the capture is dropped,
+//!   the step has not run on the device (captured work does not execute), and the next run
+//!   warms up eagerly with the new shape and captures again. The failure is recorded even if the
+//!   step swallows the error, so a broken capture is never replayed.
+//! * **The graph owns its buffers.** The buffers of the arrays the step allocated are baked
+//!   into the graph, so it keeps them (busy, counted in `bytes_in_use`) until it is dropped or
+//!   invalidated; then they go back to their cache. During every run under a `StepGraph`, the
+//!   buffers of arrays that drop are kept until the run ends (as `Reuse::OnExit` does), so the
+//!   warm-up runs allocate what the capture needs whatever the cache's policy.
+//! * **What invalidates a graph.** [`invalidate`](crate::invalidate) of the scope's cache,
+//!   [`configure`](crate::configure) with a different configuration, dropping an array the
+//!   graph reads or writes that it did not allocate itself (its address would be stale), or a
+//!   different current stream: the next run drops the graph (its buffers are freed or cached as
+//!   the cache's generation says) and warms up eagerly again. `empty_cache` leaves graphs alone
+//!   (their buffers are in use).
+//! * **cudarc's event tracking.** Once a context has a second stream (and a captured step needs
+//!   one), cudarc makes every launch that takes a `CudaSlice` wait for the slice's last
+//!   read/write events and record new ones. Those events were recorded outside the capture, and
+//!   a capturing stream may not wait on them: the driver invalidates the capture
+//!   (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`). So while a thread captures, gpucache's arrays give
+//!   cudarc and kernels their raw device pointers with no events, and a replay records none:
+//!   within the capture stream, stream order is what orders the graph's work, and an array used
+//!   on another stream after a replay needs [`Array::record_stream`] or a join, as for any work
+//!   gpucache cannot see. A plain cudarc `CudaSlice` passed to a captured step with tracking on
+//!   still makes the driver end the capture ([`Error::CaptureFailed`]); use gpucache arrays in
+//!   captured steps.
+//! * **Caching off** (`GPUCACHE_DISABLE=1`): nothing is captured; every run is eager.
+//!
+//! ```
+//! use gpucache::cuda::StepGraph;
+//! use gpucache::{Array, Device};
+//! let Ok(dev) = Device::cuda(0) else { return Ok(()) };
+//! let stream = gpucache::cuda::context(dev)?.new_stream()?;
+//! let _on = gpucache::cuda::use_stream(&stream)?; // allocate and launch on `stream`
+//! let mut y = Array::<f32>::zeros(dev, 1024)?; // an output, outside the step
+//! let mut step = StepGraph::new("train_step", dev);
+//! for _ in 0..10 {
+//!     let ran = step.run(|| -> gpucache::Result<()> {
+//!         let h = Array::<f32>::zeros(dev, 1024)?; // a hit once warm; kept by the graph
+//!         /* ... kernels on `stream` reading `h`, writing `y` ... */
+//!         # let _ = (&h, &mut y);
+//!         Ok(())
+//!     })?;
+//!     # let _ = ran;
+//! }
+//! assert_eq!((step.captures(), step.replays()), (1, 7));
+//! # Ok::<(), gpucache::Error>(())
+//! ```
+//!
 //! # Panics
 //!
 //! The cudarc trait implementations cannot return errors: passing an array on
@@ -96,6 +171,9 @@ use cudarc::driver::{
 use crate::backend::Block;
 use crate::backend::cuda::{self as backend, CudaBuf, DeviceState};
 use crate::{Array, Device, Element, Error, Result};
+
+pub(crate) mod graph;
+pub use graph::{Ran, StepGraph};
 
 /// The state of `device` (a CUDA device), creating its context on first use.
 fn state(device: Device) -> Result<&'static DeviceState> {
@@ -222,7 +300,12 @@ impl<T: Element> Array<T> {
     /// [`Error::DeviceMismatch`] for an array that is not on a CUDA device.
     pub fn cuda_view(&self) -> Result<CudaView<'_, T>> {
         let slice = match self.cuda_buf()? {
-            Some(buf) => buf.slice(),
+            Some(buf) => {
+                if graph::capturing() {
+                    graph::pin(buf);
+                }
+                buf.slice()
+            }
             None => &state(self.device())?.sentinel,
         };
         Ok(typed_view(slice, self.len()))
@@ -236,7 +319,10 @@ impl<T: Element> Array<T> {
     pub fn cuda_view_mut(&mut self) -> Result<CudaViewMut<'_, T>> {
         let device = self.device();
         let len = self.len();
-        self.cuda_buf()?.ok_or(Error::EmptyArray { device })?;
+        let buf = self.cuda_buf()?.ok_or(Error::EmptyArray { device })?;
+        if graph::capturing() {
+            graph::pin(buf);
+        }
         let slice = self
             .block_mut()
             .and_then(Block::cuda_mut)
@@ -311,6 +397,25 @@ fn sentinel(device: Device) -> &'static CudaSlice<u8> {
     }
 }
 
+/// The device pointer a kernel or cudarc call gets for `array` while its thread captures a
+/// graph: the buffer's (or the sentinel's), without cudarc's events, which a capture may not
+/// wait on. Pins the buffer to the capture (see [`graph::pin`]).
+#[cold]
+#[track_caller]
+fn captured_ptr<T: Element>(array: &Array<T>) -> &CUdeviceptr {
+    match array.cuda_buf() {
+        Ok(Some(buf)) => {
+            graph::pin(buf);
+            buf.ptr()
+        }
+        Ok(None) => match state(array.device()) {
+            Ok(state) => &state.sentinel_ptr,
+            Err(_) => not_on_cuda(array.device()),
+        },
+        Err(_) => not_on_cuda(array.device()),
+    }
+}
+
 /// The slice a kernel or cudarc call gets for `array`: its buffer, or the device's sentinel for
 /// a zero-size array.
 #[track_caller]
@@ -368,6 +473,10 @@ impl<T: Element> DevicePtr<T> for Array<T> {
     /// # Panics
     /// For an array that is not on a CUDA device.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        if graph::capturing() {
+            graph::check_stream(stream.cu_stream());
+            return (*captured_ptr(self), SyncOnDrop::Record(None));
+        }
         slice_of(self).device_ptr(stream)
     }
 }
@@ -376,6 +485,10 @@ impl<T: Element> DevicePtrMut<T> for Array<T> {
     /// # Panics
     /// For an array that is not on a CUDA device.
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        if graph::capturing() {
+            graph::check_stream(stream.cu_stream());
+            return (*captured_ptr(self), SyncOnDrop::Record(None));
+        }
         match slice_mut_of(self) {
             SliceMut::Owned(slice) => slice.device_ptr_mut(stream),
             SliceMut::Sentinel(slice) => slice.device_ptr(stream),
@@ -386,9 +499,14 @@ impl<T: Element> DevicePtrMut<T> for Array<T> {
 // SAFETY: pushes exactly what cudarc pushes for the `CudaSlice<u8>` that `arg` owns (or the
 // device's sentinel, which lives for the process): a pointer to its `CUdeviceptr`, valid for
 // `'b`, and its read/write events. The kernel sees the device pointer of the array's elements.
+// While the thread captures a graph it pushes a pointer to the same `CUdeviceptr` value, kept
+// in the buffer (or the device state) for as long, and no events.
 unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b Array<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b Array<T>) -> &mut Self {
+        if graph::capturing() {
+            return self.arg(captured_ptr(arg));
+        }
         self.arg(slice_of(arg))
     }
 }
@@ -398,6 +516,9 @@ unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b Array<T>> for LaunchArgs<'
 unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b mut Array<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut Array<T>) -> &mut Self {
+        if graph::capturing() {
+            return self.arg(captured_ptr(arg));
+        }
         match slice_mut_of(arg) {
             SliceMut::Owned(slice) => self.arg(slice),
             SliceMut::Sentinel(slice) => self.arg(slice),

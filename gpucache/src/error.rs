@@ -170,6 +170,70 @@ pub enum Error {
         device: Device,
     },
 
+    /// An array allocation inside a step being captured as a CUDA graph
+    /// ([`cuda::StepGraph`](crate::cuda::StepGraph)) was not a hit in the step's caches: a shape
+    /// changed since the warm-up runs, or the step allocates outside any scope. Nothing was
+    /// allocated, the capture was dropped, and the step did not run on the device; the next
+    /// [`StepGraph::run`](crate::cuda::StepGraph::run) runs it eagerly again (warming the cache
+    /// for the new shape) and captures it once it is warm.
+    #[error(
+        "{dtype} array of shape {dims:?} on {device} missed cache {cache:?} during graph capture"
+    )]
+    CaptureMiss {
+        /// The cache the allocation went through (empty when no scope was entered).
+        cache: String,
+        /// The element type asked for.
+        dtype: DType,
+        /// The dimensions asked for.
+        dims: Vec<usize>,
+        /// The device.
+        device: Device,
+    },
+
+    /// A graph capture was asked for on the legacy default stream, which CUDA cannot capture.
+    /// Create a stream (`gpucache::cuda::context(dev)?.new_stream()?`) and make it the thread's
+    /// current stream (`gpucache::cuda::use_stream`) before the step's arrays, cuBLAS handles
+    /// and launches are set up.
+    #[error("the default stream of {device} cannot be captured as a graph")]
+    CaptureDefaultStream {
+        /// The device whose current stream is its default stream.
+        device: Device,
+    },
+
+    /// A step being captured as a CUDA graph used a gpucache array on a stream other than the
+    /// capture stream (a cuBLAS handle or copy on another stream, `record_stream`, a recycled
+    /// buffer last used on another stream). Such work would run eagerly, outside the graph. The
+    /// capture was dropped and the step did not run on the device: run all of the step's work on
+    /// the thread's current stream.
+    #[error(
+        "a step captured as a graph used an array on a stream other than the capture stream of {device}"
+    )]
+    CaptureForeignStream {
+        /// The device of the capture stream.
+        device: Device,
+    },
+
+    /// A step being captured as a CUDA graph did something a graph cannot replay: a copy from or
+    /// to host memory (`Array::from_slice`, `Array::to_vec`), whose host buffer would be gone at
+    /// replay. The capture was dropped and the step did not run on the device: copy inputs into
+    /// arrays allocated outside the step before running it, and read results after.
+    #[error("{what} cannot be captured in a graph")]
+    CaptureUnsupported {
+        /// What the step did.
+        what: &'static str,
+    },
+
+    /// The CUDA driver ended a graph capture with an error: the step waited on work recorded
+    /// outside the capture (a cudarc `CudaSlice` with event tracking on, or a stream joined
+    /// before the capture), forked work to another stream without joining it back, or made a
+    /// call that is not allowed while capturing (a synchronisation). The capture was dropped
+    /// and the step did not run on the device. The driver's error is the
+    /// [source](std::error::Error::source).
+    #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+    #[error("the CUDA driver ended the graph capture with an error")]
+    CaptureFailed(#[source] cudarc::driver::DriverError),
+
     /// The array lives in device memory that the host cannot address. Copy it with
     /// `to_vec()`, or use the device's own API.
     #[error("the array lives on {device}, whose memory the host cannot address")]

@@ -201,8 +201,10 @@
 //! time, so the crate builds on machines without CUDA; [`Device::cuda`] reports a missing
 //! driver or GPU as an [`Error`]). A CUDA array is a cudarc buffer: it passes straight to kernel
 //! launches and cuBLAS, with no copy. Allocations are stream-ordered on the thread's current
-//! stream, and arrays used on other streams are marked with `Array::record_stream`. The
-//! `cuda` module documents all of it, with an example.
+//! stream, and arrays used on other streams are marked with `Array::record_stream`. A warm
+//! step can be captured once as a CUDA graph and replayed (`cuda::StepGraph`): allocations
+//! inside the capture must be cache hits, and a miss is a typed error, never a silently wrong
+//! graph. The `cuda` module documents all of it, with examples.
 //!
 //! [cudarc]: https://docs.rs/cudarc
 //!

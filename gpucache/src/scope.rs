@@ -81,6 +81,14 @@ impl ScopeGuard {
     }
 }
 
+impl ScopeGuard {
+    /// The entered cache (`None` if the guard was made during thread teardown).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cell(&self) -> Option<&CacheCell> {
+        self.cell.as_deref()
+    }
+}
+
 impl fmt::Debug for ScopeGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ScopeGuard")
@@ -140,6 +148,12 @@ pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
         return f(None);
     }
     with_innermost(f)
+}
+
+/// Whether `GPUCACHE_DISABLE=1` turned caching off.
+#[cfg(feature = "cuda")]
+pub(crate) fn caching_disabled() -> bool {
+    *DISABLED
 }
 
 /// The innermost entered cache of this thread, or null (for comparison only).

@@ -4,7 +4,8 @@
 //! * `semantics::*` and `failures::*`: the device tests of `tests/all` (`common::device_tests!`)
 //!   on CUDA device 0;
 //! * `gpu::*`: GPU-level checks of the CUDA backend (`gpu.rs`), and a few checks of the CUDA
-//!   API that need no GPU (they always run).
+//!   API that need no GPU (they always run);
+//! * `graph::*`: `StepGraph` capture and replay (`graph.rs`).
 //!
 //! With `GPUCACHE_REQUIRE_GPU=1` (set by the GPU bundle's `run.sh`) a missing GPU fails the run
 //! instead. The tests share one GPU and the out-of-memory tests need all of it, so they run one
@@ -23,6 +24,9 @@ mod failures;
 mod semantics;
 
 mod gpu;
+mod graph;
+#[path = "../../examples/mlp/mod.rs"]
+mod mlp;
 
 use libtest_mimic::Arguments;
 
@@ -48,6 +52,9 @@ fn main() {
     }
     for &(name, test) in gpu::TESTS {
         trials.push(common::gpu_trial(format!("gpu::{name}"), &gpu, test));
+    }
+    for &(name, test) in graph::TESTS {
+        trials.push(common::gpu_trial(format!("graph::{name}"), &gpu, test));
     }
     for &(name, test) in gpu::HOST_TESTS {
         trials.push(common::host_trial(format!("gpu::{name}"), test));

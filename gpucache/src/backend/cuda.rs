@@ -26,12 +26,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::{mem, ptr};
 
-use cudarc::driver::sys::{CUresult, CUstream};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError};
+use std::sync::atomic::AtomicBool;
+
+use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
 use super::{AllocError, Backend, Storage};
+use crate::cuda::graph;
 use crate::{Device, DeviceStats, Error, Result};
 
 /// What gpucache keeps for one CUDA device, for the life of the process.
@@ -44,6 +47,8 @@ pub(crate) struct DeviceState {
     /// the driver refuses zero-byte allocations). Like the context, it lives for the process and
     /// is never freed: `compute-sanitizer --leak-check full` reports it as 1 byte leaked.
     pub(crate) sentinel: CudaSlice<u8>,
+    /// The sentinel's device pointer.
+    pub(crate) sentinel_ptr: CUdeviceptr,
     /// Buffers allocated and freed through gpucache, and the bytes not yet freed.
     allocs: AtomicU64,
     frees: AtomicU64,
@@ -113,11 +118,13 @@ pub(crate) fn device_state(ordinal: usize) -> Result<&'static DeviceState> {
     let default_stream = ctx.default_stream();
     // SAFETY: the byte is never read or written: zero-size views point at it.
     let sentinel = unsafe { default_stream.alloc::<u8>(1) }?;
+    let sentinel_ptr = raw_ptr(&sentinel);
     default_stream.synchronize()?;
     Ok(slot.get_or_init(|| DeviceState {
         ctx,
         default_stream,
         sentinel,
+        sentinel_ptr,
         allocs: AtomicU64::new(0),
         frees: AtomicU64::new(0),
         outstanding: AtomicUsize::new(0),
@@ -193,6 +200,14 @@ pub(crate) fn replace_current(
         .flatten()
 }
 
+/// The device pointer of `slice`.
+fn raw_ptr(slice: &CudaSlice<u8>) -> CUdeviceptr {
+    // Records a read on the slice's own stream when cudarc tracks events: harmless, and only
+    // done once per allocation.
+    let (ptr, _record) = slice.device_ptr(slice.stream());
+    ptr
+}
+
 /// The CUDA backend (one for all devices; per-device state lives in [`DeviceState`]).
 #[derive(Debug, Default)]
 pub(crate) struct CudaBackend;
@@ -233,10 +248,12 @@ impl Backend for CudaBackend {
         state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(bytes, Relaxed);
         Ok(Storage::Cuda(Box::new(CudaBuf {
+            ptr: raw_ptr(&slice),
             slice,
             stream,
             marked: Mutex::new(SmallVec::new()),
             events: Vec::new(),
+            watchers: Mutex::new(Vec::new()),
         })))
     }
 
@@ -265,12 +282,17 @@ impl Backend for CudaBackend {
 #[derive(Debug)]
 pub(crate) struct CudaBuf {
     slice: CudaSlice<u8>,
+    /// The slice's device pointer, for uses that bypass cudarc's event tracking (graph capture).
+    ptr: CUdeviceptr,
     /// The stream of the buffer's current (or last) owner.
     stream: Arc<CudaStream>,
     /// Other streams the current owner was used on (`Array::record_stream`), not yet recorded.
     marked: Mutex<SmallVec<[Arc<CudaStream>; 1]>>,
     /// Events recorded on the marked streams when the owner dropped.
     events: Vec<CudaEvent>,
+    /// Flags of captured graphs that bake in this buffer's address for its current owner;
+    /// cleared when the owner drops (the graph must not be replayed any more).
+    watchers: Mutex<Vec<Arc<AtomicBool>>>,
 }
 
 impl CudaBuf {
@@ -283,6 +305,19 @@ impl CudaBuf {
     /// The device the buffer lives on.
     pub(crate) fn device(&self) -> Device {
         Device::Cuda(self.slice.ordinal())
+    }
+
+    /// The device pointer of the buffer.
+    pub(crate) fn ptr(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+
+    /// Clears `alive` when the current owner drops (see [`CudaBuf::end_use`]). Flags of graphs
+    /// that are gone are forgotten here.
+    pub(crate) fn watch(&self, alive: &Arc<AtomicBool>) {
+        let mut watchers = self.watchers.lock();
+        watchers.retain(|w| Arc::strong_count(w) > 1 && !Arc::ptr_eq(w, alive));
+        watchers.push(Arc::clone(alive));
     }
 
     /// cudarc's slice of the whole buffer.
@@ -302,6 +337,10 @@ impl CudaBuf {
 
     /// Declares that the current owner is used on `stream` too.
     pub(crate) fn record_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        if graph::capturing() && stream.cu_stream() != self.stream.cu_stream() {
+            let device = self.device();
+            return Err(graph::fail(|| Error::CaptureForeignStream { device }));
+        }
         if **stream.context() != **self.stream.context() {
             let found = Device::Cuda(stream.context().ordinal());
             let expected = Device::Cuda(self.stream.context().ordinal());
@@ -324,6 +363,12 @@ impl CudaBuf {
     /// The owner dropped: record an event on each marked stream, so the buffer is reused (or
     /// freed) only after the work queued there so far.
     pub(crate) fn end_use(&mut self) {
+        let watchers = self.watchers.get_mut();
+        if !watchers.is_empty() {
+            for w in watchers.drain(..) {
+                w.store(false, std::sync::atomic::Ordering::Release);
+            }
+        }
         let marked = self.marked.get_mut();
         if marked.is_empty() {
             return;
@@ -357,6 +402,11 @@ impl CudaBuf {
         self.events.clear();
         let n = self.slice.ordinal();
         if current_handle(n) != self.stream.cu_stream() {
+            if graph::capturing() {
+                // Ordering after another stream would wait on work outside the capture.
+                let device = self.device();
+                return Err(graph::fail(|| Error::CaptureForeignStream { device }));
+            }
             let current = current_stream(n, device_state(n)?);
             current.join(&self.stream)?;
             self.stream = current;
@@ -366,6 +416,19 @@ impl CudaBuf {
 
     /// Zeroes the first `bytes` bytes, on the owner's stream.
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
+        if graph::capturing() {
+            graph::check_stream(self.stream.cu_stream());
+            graph::pin(self);
+            // Without cudarc's events, which a capture may not wait on.
+            self.stream.context().bind_to_thread()?;
+            // SAFETY: `ptr` is the start of this buffer's `bytes() >= bytes` bytes, which the
+            // exclusive borrow keeps alive and unaliased until the memset is queued; the memset
+            // is ordered on the owner's stream like any use of the buffer.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(self.ptr, 0, bytes, self.stream.cu_stream())
+            }?;
+            return Ok(());
+        }
         let mut view = self.slice.slice_mut(..bytes);
         self.stream.memset_zeros(&mut view)?;
         Ok(())
@@ -373,6 +436,10 @@ impl CudaBuf {
 
     /// Copies `src` to the start of the buffer, on the owner's stream.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
+        if graph::capturing() {
+            let what = "a copy from host memory (Array::from_slice)";
+            return Err(graph::fail(|| Error::CaptureUnsupported { what }));
+        }
         let mut view = self.slice.slice_mut(..src.len());
         self.stream.memcpy_htod(src, &mut view)?;
         Ok(())
@@ -381,6 +448,10 @@ impl CudaBuf {
     /// Copies the start of the buffer to `dst`, on this thread's current stream for its device
     /// (ordered after the owner's stream), and waits for the copy.
     pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
+        if graph::capturing() {
+            let what = "a copy to host memory (Array::to_vec)";
+            return Err(graph::fail(|| Error::CaptureUnsupported { what }));
+        }
         let n = self.slice.ordinal();
         let state = device_state(n)?;
         let stream = current_stream(n, state);

@@ -466,6 +466,12 @@ impl CacheCell {
         self.owned(|inner, st| inner.configure(st, config));
     }
 
+    /// The configuration (owner thread).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn config(&self) -> CacheConfig {
+        self.owned(|inner, _| inner.config)
+    }
+
     /// Restarts the peak from the bytes held now (any thread).
     pub(crate) fn reset_peak(&self) {
         self.stats.reset_peak();

@@ -1,0 +1,479 @@
+//! Capturing a step as a CUDA graph and replaying it: [`StepGraph`].
+//!
+//! While a step runs under a [`StepGraph`], the thread is in one of two modes, kept in
+//! thread-locals read by the array and backend code:
+//! * *holding* (the eager warm-up runs and the capture): arrays that drop keep their buffers
+//!   with the run instead of returning them to their caches, and the run gives them back when
+//!   it ends. So a step allocates as many buffers as it would under `Reuse::OnExit`, whatever
+//!   the cache's policy, and a warm-up run warms the cache for the capture.
+//! * *capturing*: additionally, allocations that are not cache hits fail with
+//!   [`Error::CaptureMiss`] instead of reaching the device, arrays pass their raw device
+//!   pointers to cudarc and kernels (no cudarc events: a capturing stream may not wait on an
+//!   event recorded outside the capture), gpucache's own work on another stream fails with
+//!   [`Error::CaptureForeignStream`], host copies fail with [`Error::CaptureUnsupported`], and
+//!   every array the step uses that it did not allocate is *pinned*: when such an array drops,
+//!   the graph that baked in its address is invalid and is not replayed again.
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstream, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaStream, DriverError};
+
+use crate::backend::Block;
+use crate::backend::cuda as backend;
+use crate::cache::{self, CacheCell, Home};
+use crate::{CacheConfig, Device, Error, Result, scope};
+
+/// What the thread is doing for a [`StepGraph`] run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Off,
+    Holding,
+    Capturing,
+}
+
+thread_local! {
+    /// Read on every array drop and cudarc argument, so a plain `Cell` with a const
+    /// initialiser and no destructor.
+    static MODE: Cell<Mode> = const { Cell::new(Mode::Off) };
+    /// The run in progress, while `MODE` is not `Off`.
+    static RUN: RefCell<Option<RunState>> = const { RefCell::new(None) };
+}
+
+/// The state of a [`StepGraph`] run in progress on this thread.
+struct RunState {
+    device: Device,
+    /// The capture stream (when capturing).
+    stream: CUstream,
+    /// Cleared when an array whose address the capture baked in drops.
+    alive: Arc<AtomicBool>,
+    /// Buffers of the arrays that dropped during the run, with where they go back to.
+    held: Held,
+    /// The first thing that made the capture unusable (when capturing).
+    failure: Option<Error>,
+}
+
+/// Buffers a run or a graph keeps; given back to their caches (or freed) when dropped.
+#[derive(Default)]
+struct Held(Vec<(Block, Option<Home>)>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        for (mut block, home) in self.0.drain(..) {
+            block.end_use();
+            match home {
+                Some(home) => cache::release(home, block, scope::current_ptr()),
+                None => drop(block),
+            }
+        }
+    }
+}
+
+/// Whether this thread is capturing a [`StepGraph`].
+#[inline]
+pub(crate) fn capturing() -> bool {
+    MODE.try_with(|m| m.get() == Mode::Capturing)
+        .unwrap_or(false)
+}
+
+/// Called by an array's drop: during a [`StepGraph`] run the run keeps a CUDA buffer (and
+/// `None` is returned); otherwise the block and home come back for the usual release.
+#[inline]
+pub(crate) fn hold(block: Block, home: Option<Home>) -> Option<(Block, Option<Home>)> {
+    if MODE.try_with(Cell::get).unwrap_or(Mode::Off) == Mode::Off || block.cuda().is_none() {
+        return Some((block, home));
+    }
+    hold_slow(block, home)
+}
+
+#[cold]
+fn hold_slow(block: Block, home: Option<Home>) -> Option<(Block, Option<Home>)> {
+    let mut back = Some((block, home));
+    let _ = RUN.try_with(|run| {
+        if let Some(run) = run.borrow_mut().as_mut() {
+            run.held.0.extend(back.take());
+        }
+    });
+    back
+}
+
+/// Records `make()` as the reason the capture in progress cannot be used (the first reason
+/// wins) and returns it again for the caller. The capture is dropped when the step returns,
+/// even if the step ignores the error.
+#[cold]
+pub(crate) fn fail(make: impl Fn() -> Error) -> Error {
+    let _ = RUN.try_with(|run| {
+        if let Some(run) = run.borrow_mut().as_mut()
+            && run.failure.is_none()
+        {
+            run.failure = Some(make());
+        }
+    });
+    make()
+}
+
+/// During a capture: records a failure if `stream` is not the capture stream.
+#[inline]
+pub(crate) fn check_stream(stream: CUstream) {
+    let foreign = RUN
+        .try_with(|run| {
+            run.borrow()
+                .as_ref()
+                .map(|run| (run.stream != stream).then_some(run.device))
+        })
+        .ok()
+        .flatten()
+        .flatten();
+    if let Some(device) = foreign {
+        fail(|| Error::CaptureForeignStream { device });
+    }
+}
+
+/// During a capture: records that the graph bakes in `buf`'s address, so that it is not
+/// replayed once the buffer's array drops.
+pub(crate) fn pin(buf: &backend::CudaBuf) {
+    let _ = RUN.try_with(|run| {
+        if let Some(run) = run.borrow().as_ref() {
+            buf.watch(&run.alive);
+        }
+    });
+}
+
+/// Whether `e` is one of the driver's stream-capture errors.
+fn is_capture_error(e: &DriverError) -> bool {
+    matches!(
+        e.0,
+        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+            | CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
+            | CUresult::CUDA_ERROR_CAPTURED_EVENT
+    )
+}
+
+/// Puts the thread in `mode` for a run until dropped; then ends a capture still in progress
+/// (a step that panicked) and gives the held buffers back.
+struct RunGuard {
+    stream: Arc<CudaStream>,
+    /// Cleared by `finish`; still set when the step panicked.
+    armed: bool,
+}
+
+impl RunGuard {
+    fn start(mode: Mode, device: Device, stream: &Arc<CudaStream>) -> Result<RunGuard> {
+        if MODE.with(Cell::get) != Mode::Off {
+            return Err(Error::CaptureUnsupported {
+                what: "a step graph run inside another step graph run",
+            });
+        }
+        if mode == Mode::Capturing {
+            let thread_local = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            stream
+                .begin_capture(thread_local)
+                .map_err(Error::CaptureFailed)?;
+        }
+        RUN.with(|run| {
+            *run.borrow_mut() = Some(RunState {
+                device,
+                stream: stream.cu_stream(),
+                alive: Arc::new(AtomicBool::new(true)),
+                held: Held::default(),
+                failure: None,
+            });
+        });
+        MODE.with(|m| m.set(mode));
+        Ok(RunGuard {
+            stream: Arc::clone(stream),
+            armed: true,
+        })
+    }
+
+    /// Ends the run: the capture's graph (when capturing) and the run's state.
+    fn finish(mut self) -> (Result<Option<CudaGraph>, DriverError>, RunState) {
+        self.armed = false;
+        let graph = match MODE.with(Cell::get) {
+            Mode::Capturing => self.stream.end_capture(CUgraphInstantiate_flags(0)),
+            _ => Ok(None),
+        };
+        MODE.with(|m| m.set(Mode::Off));
+        let state = RUN.with(|run| run.borrow_mut().take());
+        let state = state.unwrap_or_else(|| unreachable!("a run has state"));
+        (graph, state)
+    }
+}
+
+impl Drop for RunGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        // The step panicked.
+        if MODE.with(Cell::get) == Mode::Capturing {
+            let ctx = self.stream.context();
+            ctx.record_err(self.stream.end_capture(CUgraphInstantiate_flags(0)));
+        }
+        MODE.with(|m| m.set(Mode::Off));
+        let state = RUN.with(|run| run.borrow_mut().take());
+        drop(state);
+    }
+}
+
+/// What [`StepGraph::run`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ran {
+    /// Called the step (a warm-up run, or a run after the graph was invalidated).
+    Eagerly,
+    /// Called the step under stream capture, then launched the new graph once.
+    Captured,
+    /// Launched the graph captured earlier; the step was not called.
+    Replayed,
+}
+
+/// A captured graph and what it depends on.
+struct Captured {
+    /// `None` for a step that queued no work.
+    graph: Option<CudaGraph>,
+    stream: Arc<CudaStream>,
+    /// Cleared when an array the graph uses (and did not allocate) drops.
+    alive: Arc<AtomicBool>,
+    /// The cache's invalidation count and configuration at capture.
+    invalidations: u64,
+    config: CacheConfig,
+    /// The buffers of the arrays the step allocated: the graph reads and writes them, so
+    /// nothing else may get them while it lives.
+    _held: Held,
+}
+
+impl Captured {
+    fn is_valid(&self, cell: &CacheCell, stream: &CudaStream) -> bool {
+        self.alive.load(Ordering::Acquire)
+            && stream.cu_stream() == self.stream.cu_stream()
+            && cell.snapshot().invalidations == self.invalidations
+            && cell.config() == self.config
+    }
+}
+
+/// A training (or inference) step that runs eagerly until its cache is warm, is then captured
+/// once as a CUDA graph on the thread's current stream, and from then on is replayed: one
+/// graph launch instead of every kernel, cuBLAS and memset launch of the step.
+///
+/// See the [module documentation](crate::cuda#cuda-graphs) for the contract.
+///
+/// ```
+/// use gpucache::cuda::{Ran, StepGraph};
+/// use gpucache::{Array, Device};
+/// let Ok(dev) = Device::cuda(0) else { return Ok(()) };
+/// let stream = gpucache::cuda::context(dev)?.new_stream()?; // not the default stream
+/// let _on = gpucache::cuda::use_stream(&stream)?;
+/// let mut out = Array::<f32>::zeros(dev, 256)?; // outside the step: a fixed address
+/// let mut step = StepGraph::new("doc-graph", dev);
+/// for i in 0..4 {
+///     let ran = step.run(|| -> gpucache::Result<()> {
+///         let tmp = Array::<f32>::zeros(dev, 256)?; // a cache hit once warm
+///         /* ... kernels reading `tmp` and writing `out` ... */
+///         Ok(())
+///     })?;
+///     let want = [Ran::Eagerly, Ran::Eagerly, Ran::Captured, Ran::Replayed][i];
+///     assert_eq!(ran, want);
+/// }
+/// # let _ = &mut out;
+/// # Ok::<(), gpucache::Error>(())
+/// ```
+pub struct StepGraph {
+    cache: Box<str>,
+    device: Device,
+    warmup: u32,
+    /// Eager runs in a row that missed no allocation.
+    warm_runs: u32,
+    captured: Option<Captured>,
+    captures: u64,
+    replays: u64,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StepGraph")
+            .field("cache", &self.cache)
+            .field("device", &self.device)
+            .field("captured", &self.captured.is_some())
+            .field("captures", &self.captures)
+            .field("replays", &self.replays)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StepGraph {
+    /// A step that runs in the scope `cache` on `device`, captured after one eager run that
+    /// missed no allocation (see [`StepGraph::warmup`]).
+    pub fn new(cache: &str, device: Device) -> StepGraph {
+        StepGraph {
+            cache: cache.into(),
+            device,
+            warmup: 1,
+            warm_runs: 0,
+            captured: None,
+            captures: 0,
+            replays: 0,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// How many eager runs in a row must miss no allocation in the cache before the next run
+    /// is captured (default and least 1).
+    #[must_use]
+    pub fn warmup(mut self, runs: u32) -> StepGraph {
+        self.warmup = runs;
+        self
+    }
+
+    /// Runs the step once: calls `step` in the scope of the cache while warming up, captures
+    /// it as a graph once warm (and launches the graph), and afterwards launches the graph
+    /// without calling `step`. Returns what it did. The work is queued on the thread's current
+    /// stream for the device, which must not be the default stream.
+    ///
+    /// A graph is dropped, and the step runs eagerly again (to be captured again once warm),
+    /// when the cache was invalidated or configured differently since the capture, when an
+    /// array the graph reads or writes but did not allocate has dropped, or when the current
+    /// stream is another one.
+    ///
+    /// # Errors
+    /// [`Error::CaptureDefaultStream`] when the current stream is the default stream; the
+    /// step's own errors; during the capture, [`Error::CaptureMiss`],
+    /// [`Error::CaptureForeignStream`], [`Error::CaptureUnsupported`] and
+    /// [`Error::CaptureFailed`], after which the step has not run on the device and the next
+    /// call runs it eagerly; and the driver's errors when launching the graph.
+    pub fn run<E: From<Error>>(&mut self, step: impl FnOnce() -> Result<(), E>) -> Result<Ran, E> {
+        let n = backend::ordinal(self.device)?;
+        let stream = backend::current_stream(n, backend::device_state(n)?);
+        if stream.cu_stream().is_null() {
+            return Err(Error::CaptureDefaultStream {
+                device: self.device,
+            }
+            .into());
+        }
+        let scope = crate::enter(&self.cache);
+        let Some(cell) = scope.cell().filter(|_| !scope::caching_disabled()) else {
+            // No cache to capture from (GPUCACHE_DISABLE=1, or thread teardown).
+            step()?;
+            return Ok(Ran::Eagerly);
+        };
+        if let Some(captured) = &self.captured {
+            if captured.is_valid(cell, &stream) {
+                if let Some(graph) = &captured.graph {
+                    graph.launch().map_err(Error::from)?;
+                }
+                self.replays += 1;
+                return Ok(Ran::Replayed);
+            }
+            self.captured = None;
+            self.warm_runs = 0;
+        }
+        if self.warm_runs >= self.warmup.max(1) {
+            self.warm_runs = 0;
+            return self.capture(cell, &stream, step).map(|()| Ran::Captured);
+        }
+        let misses = cell.snapshot().misses;
+        let run = RunGuard::start(Mode::Holding, self.device, &stream)?;
+        let result = step();
+        let (_, state) = run.finish();
+        let warm = cell.snapshot().misses == misses;
+        drop(state); // gives the buffers back, inside the scope (as its exit would)
+        drop(scope);
+        result?;
+        self.warm_runs = if warm { self.warm_runs + 1 } else { 0 };
+        Ok(Ran::Eagerly)
+    }
+
+    fn capture<E: From<Error>>(
+        &mut self,
+        cell: &CacheCell,
+        stream: &Arc<CudaStream>,
+        step: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (invalidations, config) = (cell.snapshot().invalidations, cell.config());
+        let run = RunGuard::start(Mode::Capturing, self.device, stream)?;
+        let result = step();
+        let (graph, mut state) = run.finish();
+        let failure = state.failure.take();
+        if let Some(Error::CaptureForeignStream { .. }) = failure {
+            // The step queued work on another stream, which runs eagerly on buffers the run
+            // holds: let it finish before they go back to their caches. (Which stream is not
+            // known here, so the whole context; another thread's capture in progress fails.)
+            let ctx = stream.context();
+            ctx.record_err(ctx.synchronize());
+        }
+        if let Some(failure) = failure {
+            return Err(failure.into());
+        }
+        let graph = match graph {
+            // The first failing call returned the cause (which cudarc may have kept in the
+            // context's error slot); the end of the capture reports that it was invalidated.
+            Err(e) => {
+                let ctx = stream.context();
+                let cause = ctx.check_err().err();
+                let cause = match cause {
+                    Some(c) if is_capture_error(&c) => c,
+                    other => {
+                        ctx.record_err(other.map_or(Ok(()), Err));
+                        e
+                    }
+                };
+                return Err(Error::CaptureFailed(cause).into());
+            }
+            Ok(graph) => graph,
+        };
+        result?;
+        if let Some(graph) = &graph {
+            graph.launch().map_err(Error::from)?;
+        }
+        self.captures += 1;
+        self.captured = Some(Captured {
+            graph,
+            stream: Arc::clone(stream),
+            alive: Arc::clone(&state.alive),
+            invalidations,
+            config,
+            _held: std::mem::take(&mut state.held),
+        });
+        Ok(())
+    }
+
+    /// Whether a graph is captured (and will be replayed by the next [`StepGraph::run`] if
+    /// it is still valid then).
+    pub fn is_captured(&self) -> bool {
+        self.captured.is_some()
+    }
+
+    /// Drops the graph (its buffers go back to their caches); the next run is eager.
+    pub fn reset(&mut self) {
+        self.captured = None;
+        self.warm_runs = 0;
+    }
+
+    /// How many times a graph was captured.
+    pub fn captures(&self) -> u64 {
+        self.captures
+    }
+
+    /// How many times a graph was replayed (not counting the launch right after a capture).
+    pub fn replays(&self) -> u64 {
+        self.replays
+    }
+
+    /// The bytes of the buffers the graph holds (those its step allocated), 0 without one.
+    pub fn held_bytes(&self) -> usize {
+        self.captured
+            .as_ref()
+            .map_or(0, |c| c._held.0.iter().map(|(b, _)| b.bytes()).sum())
+    }
+}

@@ -244,6 +244,7 @@ mod dtype;
 mod error;
 mod instrument;
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
 mod registry;
 mod scope;

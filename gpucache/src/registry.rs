@@ -31,10 +31,9 @@ static THREADS: ThreadLocal<ThreadEntry> = ThreadLocal::new();
 /// The options [`configure`] set, by name, for caches created later.
 static CONFIGS: Mutex<Vec<(Box<str>, CacheConfig)>> = parking_lot::const_mutex(Vec::new());
 
-/// The options of cache `name` for a new cache.
-fn config_for(name: &str) -> CacheConfig {
-    CONFIGS
-        .lock()
+/// The options `configure` set for `name` (the default if none).
+fn lookup(configs: &[(Box<str>, CacheConfig)], name: &str) -> CacheConfig {
+    configs
         .iter()
         .find(|(n, _)| &**n == name)
         .map(|&(_, c)| c)
@@ -134,8 +133,15 @@ pub(crate) fn cell(name: &str) -> Option<Arc<CacheCell>> {
             if let Some(cell) = local.caches.borrow().get(name) {
                 return Arc::clone(cell);
             }
-            let cell = Arc::new(CacheCell::new(name, &local.thread_name, config_for(name)));
-            local.entry.cells.lock().push(Arc::clone(&cell));
+            let cell = {
+                // Listed for other threads under the options' lock: a `configure` of this name
+                // either wrote its options before this reads them, or finds the cell listed.
+                let configs = CONFIGS.lock();
+                let config = lookup(&configs, name);
+                let cell = Arc::new(CacheCell::new(name, &local.thread_name, config));
+                local.entry.cells.lock().push(Arc::clone(&cell));
+                cell
+            };
             local
                 .caches
                 .borrow_mut()

@@ -248,6 +248,7 @@ mod scope;
 mod shape;
 mod stats;
 pub mod testing;
+pub mod trace;
 
 pub use array::Array;
 pub use config::{CacheConfig, KeyPolicy, Reuse};

@@ -7,7 +7,8 @@
 //! * `prop_programs`: random operation programs checked against a model after every step;
 //! * `stress`: many threads, many operations;
 //! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary);
-//! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form.
+//! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
+//! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes).
 //!
 //! `macros_lint` (crate-level lint attributes) and `ui` (trybuild) stay binaries of their own.
 //!
@@ -26,3 +27,4 @@ mod prop_programs;
 mod semantics;
 mod stress;
 mod threads;
+mod trace;

@@ -8,7 +8,9 @@
 //! * `stress`: many threads, many operations;
 //! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary);
 //! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
-//! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes).
+//! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes);
+//! * `tracing_events` (feature `tracing`): misses, evictions, invalidations and out-of-memory as
+//!   `tracing` events.
 //!
 //! `macros_lint` (crate-level lint attributes) and `ui` (trybuild) stay binaries of their own.
 //!
@@ -28,3 +30,4 @@ mod semantics;
 mod stress;
 mod threads;
 mod trace;
+mod tracing_events;

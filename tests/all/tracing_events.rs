@@ -60,8 +60,7 @@ impl Subscriber for Collect {
 fn collect(f: impl FnOnce()) -> Vec<(Level, String, String)> {
     let seen = Seen::default();
     tracing::subscriber::with_default(Collect(Arc::clone(&seen)), f);
-    let seen = seen.lock().unwrap().clone();
-    seen
+    seen.lock().unwrap().clone()
 }
 
 #[test]

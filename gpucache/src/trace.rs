@@ -220,8 +220,9 @@ pub(crate) fn on() -> bool {
     ON.load(Relaxed)
 }
 
-/// Whether events are being recorded now.
+/// Whether events are being recorded now (`GPUCACHE_TRACE` included, from the start).
 pub fn is_recording() -> bool {
+    init_from_env();
     on()
 }
 
@@ -449,6 +450,7 @@ fn join(id: u64) -> Option<Writer> {
 /// [`Error::TraceActive`] when a trace is already being recorded (by `GPUCACHE_TRACE`, or by an
 /// earlier call not yet stopped).
 pub fn start() -> Result<()> {
+    init_from_env();
     begin(None)
 }
 
@@ -460,7 +462,11 @@ pub fn start() -> Result<()> {
 /// [`Error::TraceFile`] when `path` cannot be created; [`Error::TraceActive`] as for
 /// [`start`].
 pub fn start_to(path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
+    init_from_env();
+    start_file(path.as_ref())
+}
+
+fn start_file(path: &Path) -> Result<()> {
     if on() {
         return Err(Error::TraceActive);
     }
@@ -567,7 +573,7 @@ fn init_from_env() {
         let Some(path) = std::env::var_os("GPUCACHE_TRACE").filter(|p| !p.is_empty()) else {
             return;
         };
-        match start_to(&path) {
+        match start_file(path.as_ref()) {
             Ok(()) => write_at_exit(),
             Err(e) => eprintln!(
                 "gpucache: GPUCACHE_TRACE: {e}: {}; not recording",

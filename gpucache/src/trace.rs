@@ -150,6 +150,10 @@ pub struct Event {
     pub key: Option<TraceKey>,
     /// The buffer's size in bytes (the requested size for [`EventKind::OutOfMemory`]).
     pub bytes: usize,
+    /// A number naming the buffer while it lives (its address), for events about one buffer:
+    /// an allocation ([`EventKind::Miss`], [`EventKind::Hit`]) and the drop that ends it
+    /// ([`EventKind::FreeToCache`], [`EventKind::Returned`]) carry the same number.
+    pub buffer: Option<u64>,
     /// The device.
     pub device: Option<Device>,
     /// On CUDA, the stream (`CUstream` handle, 0 for the default stream): the thread's current
@@ -364,6 +368,7 @@ pub(crate) struct Note {
     pub(crate) cell: Option<u32>,
     pub(crate) key: Option<TraceKey>,
     pub(crate) bytes: usize,
+    pub(crate) buffer: Option<u64>,
     pub(crate) device: Option<Device>,
     pub(crate) stream: Option<u64>,
     pub(crate) bytes_after: Option<(usize, usize)>,
@@ -377,6 +382,7 @@ impl Note {
             cell,
             key: None,
             bytes: 0,
+            buffer: None,
             device: None,
             stream: None,
             bytes_after: None,
@@ -538,6 +544,7 @@ pub fn stop() -> Option<Trace> {
                     cache_thread: cache_thread.unwrap_or(0),
                     key: note.key.clone(),
                     bytes: note.bytes,
+                    buffer: note.buffer,
                     device: note.device,
                     stream: note.stream,
                     bytes_after: note.bytes_after,

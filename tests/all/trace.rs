@@ -14,6 +14,7 @@ use gpucache::{Array, CacheConfig, DType, Device, Error, Reuse, enter, stats};
 use serde_json::Value;
 
 use crate::common::{configure, serial};
+use crate::replay::{self, Mode, Op};
 
 /// The events of cache `name`.
 fn of<'a>(t: &'a Trace, name: &str) -> Vec<&'a Event> {
@@ -434,4 +435,78 @@ fn cache_config_is_unchanged_by_recording() {
     assert_eq!(count(&of(&t, name), EventKind::Hit), 2);
     gpucache::configure(name, CacheConfig::default());
     gpucache::invalidate(name);
+}
+
+#[test]
+fn a_recorded_allocation_log_round_trips_and_replays() {
+    let _serial = serial();
+    let name = "trace-replay";
+    let t = record(|| {
+        for _epoch in 0..2 {
+            for _ in 0..3 {
+                let _scope = enter(name);
+                let a = Array::<f32>::zeros(Device::Cpu, [64, 64]).unwrap();
+                let _b = Array::<i32>::zeros(Device::Cpu, 16).unwrap();
+                drop(a);
+                let _c = Array::<u8>::zeros(Device::Cpu, [3, 5]).unwrap();
+            }
+            gpucache::invalidate(name);
+        }
+    });
+    let ops = replay::from_trace(&t, None);
+    let n = |f: fn(&Op) -> bool| ops.iter().filter(|o| f(o)).count();
+    assert_eq!(n(|o| matches!(o, Op::Enter(_))), 6);
+    assert_eq!(n(|o| matches!(o, Op::Exit(_))), 6);
+    assert_eq!(n(|o| matches!(o, Op::Invalidate(_))), 2);
+    assert_eq!(n(|o| matches!(o, Op::Alloc { .. })), 18);
+    assert_eq!(
+        n(|o| matches!(o, Op::Free { .. })),
+        18,
+        "every allocation ends"
+    );
+    assert!(ops.contains(&Op::Alloc {
+        cache: name.into(),
+        buffer: 1,
+        bytes: 64 * 64 * 4,
+        elem: 4,
+        dims: vec![64, 64],
+    }));
+    let path = std::env::temp_dir().join(format!("gpucache-log-{}.csv", std::process::id()));
+    std::fs::write(&path, replay::to_csv(&ops)).unwrap();
+    assert_eq!(replay::read(&path).unwrap(), ops, "the CSV reads back");
+    std::fs::remove_file(&path).unwrap();
+
+    let cached = replay::replay(&ops, Device::Cpu, Mode::Gpucache).unwrap();
+    gpucache::empty_cache();
+    let bare = replay::replay(&ops, Device::Cpu, Mode::Bare).unwrap();
+    assert_eq!(bare.device_allocs, 18);
+    assert_eq!(cached.device_allocs, 6, "three keys, once per epoch");
+    assert_eq!(
+        bare.peak_bytes,
+        64 * 64 * 4 + 64,
+        "a dropped before c is made"
+    );
+    assert_eq!(
+        cached.peak_bytes,
+        64 * 64 * 4 + 64 + 15,
+        "OnExit: all three held at once"
+    );
+}
+
+/// The fixture: an allocation log recorded from `train_cuda` on a GPU (2 epochs of 10 steps).
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/train_cuda.csv");
+
+#[test]
+fn the_train_cuda_fixture_replays_on_the_cpu() {
+    let _serial = serial();
+    let ops = replay::read(FIXTURE.as_ref()).unwrap();
+    let allocs = ops.iter().filter(|o| matches!(o, Op::Alloc { .. })).count() as u64;
+    assert!(allocs >= 100, "{allocs}");
+    let cached = replay::replay(&ops, Device::Cpu, Mode::Gpucache).unwrap();
+    gpucache::empty_cache();
+    let bare = replay::replay(&ops, Device::Cpu, Mode::Bare).unwrap();
+    assert_eq!(bare.device_allocs, allocs);
+    // One allocation per buffer of a step, in each of the two epochs.
+    assert_eq!(cached.device_allocs * 10, allocs);
+    assert!(cached.peak_bytes >= bare.peak_bytes);
 }

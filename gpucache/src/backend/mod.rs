@@ -142,6 +142,16 @@ impl Block {
         }
     }
 
+    /// A number naming the block while it lives (the address of its host memory, or of its
+    /// CUDA buffer's bookkeeping), for recorded events.
+    pub(crate) fn id(&self) -> u64 {
+        match &*self.storage {
+            Storage::Host(h) => h.ptr().as_ptr() as u64,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => &raw const **c as u64,
+        }
+    }
+
     /// The CUDA stream the block was last handed out on, as a number (its `CUstream` handle; 0
     /// for the default stream), for recorded events. `None` for host memory.
     pub(crate) fn stream_id(&self) -> Option<u64> {

@@ -459,7 +459,7 @@ impl CacheCell {
             Some(slot) => match inner.pop(&self.stats, slot) {
                 Some(block) => {
                     if self.traced() {
-                        inner.note_hit(&self.stats, slot, block.bytes());
+                        inner.note_hit(&self.stats, slot, &block);
                     }
                     Take::Hit(block, self.home(slot, inner.generation))
                 }

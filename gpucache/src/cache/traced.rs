@@ -24,16 +24,16 @@ impl Inner {
     #[cold]
     #[inline(never)]
     pub(super) fn note_block(&self, st: &Counters, kind: EventKind, slot: u32, block: &Block) {
-        self.note_slot(st, kind, slot, block.bytes(), block.stream_id());
+        self.note_slot(st, kind, slot, block, block.stream_id());
     }
 
-    /// Records a hit of `bytes` on `slot` (on the thread's current stream, where the buffer
-    /// goes).
+    /// Records a hit on `slot` that handed `block` out (on the thread's current stream, where
+    /// the buffer goes).
     #[cold]
     #[inline(never)]
-    pub(super) fn note_hit(&self, st: &Counters, slot: u32, bytes: usize) {
+    pub(super) fn note_hit(&self, st: &Counters, slot: u32, block: &Block) {
         let stream = backend::current_stream_id(self.slots[slot as usize].device);
-        self.note_slot(st, EventKind::Hit, slot, bytes, stream);
+        self.note_slot(st, EventKind::Hit, slot, block, stream);
     }
 
     fn note_slot(
@@ -41,7 +41,7 @@ impl Inner {
         st: &Counters,
         kind: EventKind,
         slot: u32,
-        bytes: usize,
+        block: &Block,
         stream: Option<u64>,
     ) {
         let s = &self.slots[slot as usize];
@@ -49,7 +49,8 @@ impl Inner {
             kind,
             cell: Some(self.trace_id),
             key: Some(s.key.traced()),
-            bytes,
+            bytes: block.bytes(),
+            buffer: Some(block.id()),
             device: Some(s.device),
             stream,
             bytes_after: Some(gauge_bytes(st, s.gauge)),
@@ -73,11 +74,21 @@ impl Inner {
         block: Block,
     ) {
         let stale = generation != self.generation;
-        let (bytes, stream) = (block.bytes(), block.stream_id());
+        let (bytes, id, stream) = (block.bytes(), block.id(), block.stream_id());
         self.release(st, active, slot, generation, block);
         // A buffer of an earlier generation was freed (and recorded as such) instead.
         if !stale {
-            self.note_slot(st, EventKind::FreeToCache, slot, bytes, stream);
+            let s = &self.slots[slot as usize];
+            trace::record(Note {
+                kind: EventKind::FreeToCache,
+                cell: Some(self.trace_id),
+                key: Some(s.key.traced()),
+                bytes,
+                buffer: Some(id),
+                device: Some(s.device),
+                stream,
+                bytes_after: Some(gauge_bytes(st, s.gauge)),
+            });
         }
     }
 }
@@ -156,6 +167,7 @@ impl CacheCell {
         for block in freed {
             trace::record(Note {
                 bytes: block.bytes(),
+                buffer: Some(block.id()),
                 device: Some(block.device()),
                 stream: block.stream_id(),
                 ..Note::about(EventKind::DeviceFree, Some(self.trace_id))
@@ -170,6 +182,7 @@ impl CacheCell {
     pub(super) fn note_returned(&self, r: &Returned) {
         trace::record(Note {
             bytes: r.block.bytes(),
+            buffer: Some(r.block.id()),
             device: Some(r.block.device()),
             stream: r.block.stream_id(),
             ..Note::about(EventKind::Returned, Some(self.trace_id))

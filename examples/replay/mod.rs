@@ -6,17 +6,17 @@
 //! replay runs them on one thread):
 //!
 //! ```text
-//! op,cache,buffer,bytes,dtype,dims
+//! op,cache,buffer,bytes,elem,dims
 //! enter,train_step,,,,
-//! alloc,train_step,7,16777216,f32,1024x4096
+//! alloc,train_step,7,16777216,4,1024x4096
 //! free,train_step,7,16777216,,
 //! exit,train_step,,,,
 //! invalidate,train_step,,,,
 //! ```
 //!
-//! `buffer` numbers the live buffers (an `alloc` and the `free` that ends it share it); `dims`
-//! are the array's shape (`x`-separated; empty for a scalar) or, for a size-class cache,
-//! the class's bytes as a `u8` array. Allocations outside any scope are not recorded, so not in
+//! `buffer` numbers the live buffers (an `alloc` and the `free` that ends it share it); `elem`
+//! is the element size in bytes and `dims` the array's shape (`x`-separated; empty for a
+//! scalar), or, for a size-class cache, 1 and the class's bytes. Allocations outside any scope are not recorded, so not in
 //! the log.
 #![allow(dead_code)] // each example uses a part
 
@@ -104,7 +104,7 @@ pub fn from_trace(trace: &Trace, thread: Option<u64>) -> Vec<Op> {
 
 /// The log as CSV text.
 pub fn to_csv(ops: &[Op]) -> String {
-    let mut out = String::from("op,cache,buffer,bytes,dtype,dims\n");
+    let mut out = String::from("op,cache,buffer,bytes,elem,dims\n");
     for op in ops {
         let _ = match op {
             Op::Enter(c) => writeln!(out, "enter,{c},,,,"),

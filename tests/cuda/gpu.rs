@@ -322,7 +322,7 @@ fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
 }
 
 /// Recorded events of CUDA arrays name the device and the stream (`gpucache::trace`).
-fn recorded_events_carry_the_stream(dev: Device) -> TestResult {
+fn trace_events_carry_the_stream(dev: Device) -> TestResult {
     use gpucache::trace::EventKind;
     if !caching() {
         return Ok(()); // nothing is cached, so nothing of the cache is recorded
@@ -555,8 +555,8 @@ pub type GpuTest = fn(Device) -> TestResult;
 /// The tests that need a GPU.
 pub const TESTS: &[(&str, GpuTest)] = &[
     (
-        "recorded_events_carry_the_stream",
-        recorded_events_carry_the_stream,
+        "trace_events_carry_the_stream",
+        trace_events_carry_the_stream,
     ),
     (
         "kernels_write_cached_arrays_and_values_round_trip",

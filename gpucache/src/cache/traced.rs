@@ -24,7 +24,12 @@ impl Inner {
     #[cold]
     #[inline(never)]
     pub(super) fn note_block(&self, st: &Counters, kind: EventKind, slot: u32, block: &Block) {
-        self.note_slot(st, kind, slot, block, block.stream_id());
+        self.note_slot(
+            st,
+            kind,
+            slot,
+            (block.bytes(), block.id(), block.stream_id()),
+        );
     }
 
     /// Records a hit on `slot` that handed `block` out (on the thread's current stream, where
@@ -33,24 +38,30 @@ impl Inner {
     #[inline(never)]
     pub(super) fn note_hit(&self, st: &Counters, slot: u32, block: &Block) {
         let stream = backend::current_stream_id(self.slots[slot as usize].device);
-        self.note_slot(st, EventKind::Hit, slot, block, stream);
+        self.note_slot(
+            st,
+            EventKind::Hit,
+            slot,
+            (block.bytes(), block.id(), stream),
+        );
     }
 
+    /// Records `kind` about a buffer (`bytes`, `buffer`, `stream`) of free list `slot`, with
+    /// the cache's bytes after it.
     fn note_slot(
         &self,
         st: &Counters,
         kind: EventKind,
         slot: u32,
-        block: &Block,
-        stream: Option<u64>,
+        (bytes, buffer, stream): (usize, u64, Option<u64>),
     ) {
         let s = &self.slots[slot as usize];
         trace::record(Note {
             kind,
             cell: Some(self.trace_id),
             key: Some(s.key.traced()),
-            bytes: block.bytes(),
-            buffer: Some(block.id()),
+            bytes,
+            buffer: Some(buffer),
             device: Some(s.device),
             stream,
             bytes_after: Some(gauge_bytes(st, s.gauge)),
@@ -74,21 +85,11 @@ impl Inner {
         block: Block,
     ) {
         let stale = generation != self.generation;
-        let (bytes, id, stream) = (block.bytes(), block.id(), block.stream_id());
+        let buffer = (block.bytes(), block.id(), block.stream_id());
         self.release(st, active, slot, generation, block);
         // A buffer of an earlier generation was freed (and recorded as such) instead.
         if !stale {
-            let s = &self.slots[slot as usize];
-            trace::record(Note {
-                kind: EventKind::FreeToCache,
-                cell: Some(self.trace_id),
-                key: Some(s.key.traced()),
-                bytes,
-                buffer: Some(id),
-                device: Some(s.device),
-                stream,
-                bytes_after: Some(gauge_bytes(st, s.gauge)),
-            });
+            self.note_slot(st, EventKind::FreeToCache, slot, buffer);
         }
     }
 }

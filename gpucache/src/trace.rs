@@ -523,6 +523,9 @@ pub fn stop() -> Option<Trace> {
     ON.store(false, Relaxed);
     SESSION_ID.store(0, Release);
     crate::registry::set_traced(false);
+    // This thread's buffer goes with the trace; another thread's is let go when it records
+    // again or exits.
+    let _ = WRITER.try_with(|w| w.borrow_mut().take());
     let buffers = session.buffers.lock().clone();
     let mut events: Vec<Event> = {
         let cells = CELLS.lock();

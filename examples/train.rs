@@ -2,15 +2,22 @@
 //! data on the CPU, every step inside the `train_step` cache scope; then the same training
 //! without the cache, comparing wall time and system allocations.
 //!
-//! Run with `cargo run --release --example train`.
+//! Run with `cargo run --release --example train`. With `GPUCACHE_TRACE=trace.json` set, the
+//! run's memory timeline is written there (open it at <https://ui.perfetto.dev>); with
+//! `-- --plot memory.svg`, memory over time is also drawn to that file (the trace beside it, as
+//! `memory.json`, unless `GPUCACHE_TRACE` names it).
 //!
 //! The model's parameters and the data set are allocated once, outside any scope. Every other
 //! array (activations, gradients, temporaries) is made inside the step, so under the cache the
 //! step allocates from the device only in the first step of each epoch (`invalidate` gives the
 //! memory back between epochs) and recycles its buffers in every other step.
 
+#[path = "trace_plot/mod.rs"]
+mod trace_plot;
+
 use std::alloc::System;
 use std::error::Error;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -50,6 +57,14 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<()> {
+    let plot = match std::env::args_os().skip(1).collect::<Vec<_>>().as_slice() {
+        [] => None,
+        [flag, path] if flag == "--plot" => Some(PathBuf::from(path)),
+        _ => return Err("usage: train [--plot OUT.svg]".into()),
+    };
+    if plot.is_some() && !gpucache::trace::is_recording() {
+        gpucache::trace::start()?;
+    }
     let data = dataset(&mut Rng::with_seed(DATA_SEED))?;
     println!(
         "MLP {INPUTS} -> {HIDDEN} (ReLU) -> {CLASSES}, softmax cross-entropy, SGD lr {LEARNING_RATE}; \
@@ -80,6 +95,37 @@ fn run() -> Result<()> {
         return Err(format!("the loss did not decrease: first {first:.4}, last {last:.4}").into());
     }
     println!("loss decreased from {first:.4} to {last:.4}");
+    if let Some(svg) = plot {
+        draw(&svg)?;
+    } else if let Some(path) = std::env::var_os("GPUCACHE_TRACE") {
+        println!(
+            "trace: {} (written at exit; open it at https://ui.perfetto.dev)",
+            PathBuf::from(path).display()
+        );
+    }
+    Ok(())
+}
+
+/// Stops recording, saves the trace (where `GPUCACHE_TRACE` says, else beside `svg`) and draws
+/// memory over time from it to `svg`.
+fn draw(svg: &std::path::Path) -> Result<()> {
+    let trace = gpucache::trace::stop().ok_or("the trace was not recorded")?;
+    let json = match std::env::var_os("GPUCACHE_TRACE") {
+        Some(path) => PathBuf::from(path), // written by `stop`
+        None => {
+            let json = svg.with_extension("json");
+            trace.save(&json)?;
+            json
+        }
+    };
+    trace_plot::plot(&json, svg, "train: the train_step cache over 6 epochs")?;
+    println!(
+        "trace: {} ({} events, {} dropped; open it at https://ui.perfetto.dev), memory plot: {}",
+        json.display(),
+        trace.events().len(),
+        trace.dropped(),
+        svg.display()
+    );
     Ok(())
 }
 

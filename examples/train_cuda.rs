@@ -2,8 +2,11 @@
 //! gpucache scope per step, and compares the step time with cudarc's default allocation.
 //!
 //! ```text
-//! cargo run --release --features cuda --example train_cuda [EPOCHS] [STEPS_PER_EPOCH]
+//! cargo run --release --features cuda --example train_cuda [EPOCHS] [STEPS_PER_EPOCH] [--log LOG.csv]
 //! ```
+//!
+//! With `--log`, the gpucache run's allocations are recorded (`gpucache::trace`) and written as
+//! an allocation log that `examples/replay` replays (tests/fixtures/train_cuda.csv is one).
 //!
 //! Every step allocates its activations and gradients (8 arrays, about 50 MiB). With gpucache
 //! they come from the `train_step` cache (all hits after the first step; `invalidate` between
@@ -16,6 +19,8 @@
 
 #[path = "mlp/mod.rs"]
 mod mlp;
+#[path = "replay/mod.rs"]
+mod replay;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -109,7 +114,13 @@ impl<A: Allocator> Run<A> {
 }
 
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let log = match args.iter().position(|a| a == "--log") {
+        Some(i) if i + 1 < args.len() => Some(args.drain(i..=i + 1).nth(1).unwrap_or_default()),
+        Some(_) => return Err("--log needs a file name".into()),
+        None => None,
+    };
+    let mut args = args.into_iter().map(|a| a.parse::<usize>());
     let epochs = args.next().transpose()?.unwrap_or(5).max(1);
     let steps = args.next().transpose()?.unwrap_or(100).max(1);
 
@@ -143,6 +154,9 @@ fn main() -> Result<()> {
         steps,
     };
 
+    if log.is_some() {
+        gpucache::trace::start()?;
+    }
     // The same model, kernels and data, trained twice, epochs interleaved.
     let mut cached = Run::new("gpucache", Cached(dev), true, dev)?;
     let mut base = Run::new("cudarc alloc", Cudarc(Arc::clone(&gpu.stream)), false, dev)?;
@@ -161,6 +175,17 @@ fn main() -> Result<()> {
         epochs * steps,
         bm / cm
     );
+    if let Some(path) = log {
+        let trace = gpucache::trace::stop().ok_or("the trace was not recorded")?;
+        let ops = replay::from_trace(&trace, None);
+        std::fs::write(&path, replay::to_csv(&ops))?;
+        println!(
+            "allocation log: {path} ({} operations from {} events, {} dropped)",
+            ops.len(),
+            trace.events().len(),
+            trace.dropped()
+        );
+    }
     let (first, last) = (cached.losses[0], cached.losses[epochs - 1]);
     println!(
         "loss: gpucache {first:.5} -> {last:.5}, cudarc alloc {:.5} -> {:.5}",

@@ -16,6 +16,7 @@
 //! * `keys/1KiB`: the hit with 1 and with 10,000 distinct keys cached (the timed key is one of
 //!   them); `keys/1KiB/10000-cycling` allocates all 10,000 keys in turn (time per allocation).
 //! * `scope_cycle/1KiB`: `enter` + `empty` + drop + exit under the default `Reuse::OnExit`.
+//! * `traced/1KiB`: `empty/1KiB`'s hit + drop while events are recorded (two per iteration).
 
 use std::alloc::{self, Layout};
 use std::hint::black_box;
@@ -244,8 +245,41 @@ fn bench_scope_cycle(c: &mut Criterion) {
     gpucache::invalidate(SCOPE);
 }
 
+/// The 1 KiB hit + drop of `empty/1KiB` while events are recorded (`gpucache::trace`): two events
+/// per iteration (a hit and a drop back to the cache). Recording restarts every 100,000
+/// iterations, outside the timed part, so that the buffer never fills.
+fn bench_traced(c: &mut Criterion) {
+    const SCOPE: &str = "bench_traced";
+    let shape = f32_shape(KIB);
+    let _scope = immediate_scope(SCOPE);
+    drop(empty(shape));
+    group(c, "traced/1KiB".into(), KIB, |g| {
+        g.bench_function("empty_drop_recorded", |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut left = iters;
+                while left > 0 {
+                    let n = left.min(100_000);
+                    gpucache::trace::start().expect("nothing else records");
+                    let start = std::time::Instant::now();
+                    for _ in 0..n {
+                        drop(black_box(empty(shape)));
+                    }
+                    total += start.elapsed();
+                    let trace = gpucache::trace::stop().expect("recording");
+                    assert_eq!(trace.dropped(), 0);
+                    left -= n;
+                }
+                total
+            })
+        });
+    });
+    gpucache::invalidate(SCOPE);
+}
+
 criterion_group!(
     benches,
+    bench_traced,
     bench_empty,
     bench_zeros,
     bench_keys,

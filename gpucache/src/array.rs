@@ -113,7 +113,8 @@ impl<T: Element> Array<T> {
                 device,
                 bytes,
             };
-            if let Some((block, home)) = scope::with_current(|c| c.and_then(|c| c.hit(&req))) {
+            if let Some((block, home)) = scope::with_current_plain(|c| c.and_then(|c| c.hit(&req)))
+            {
                 let zero = init.zero_recycled::<T>();
                 return Self::recycled(block, home, shape, device, bytes, zero);
             }

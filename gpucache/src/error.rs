@@ -234,6 +234,23 @@ pub enum Error {
     #[error("the CUDA driver ended the graph capture with an error")]
     CaptureFailed(#[source] cudarc::driver::DriverError),
 
+    /// A trace file could not be created or written (see [`trace::start_to`](crate::trace::start_to)
+    /// and `GPUCACHE_TRACE`). The I/O error is the [source](std::error::Error::source). Check
+    /// that the directory exists and is writable.
+    #[error("cannot write the trace file {}", path.display())]
+    TraceFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why it could not be written.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A trace is already being recorded (started by `GPUCACHE_TRACE` or by an earlier
+    /// [`trace::start`](crate::trace::start)). Call [`trace::stop`](crate::trace::stop) first.
+    #[error("a trace is already being recorded")]
+    TraceActive,
+
     /// The array lives in device memory that the host cannot address. Copy it with
     /// `to_vec()`, or use the device's own API.
     #[error("the array lives on {device}, whose memory the host cannot address")]
@@ -281,6 +298,11 @@ mod tests {
             Error::ForeignStream { device },
             Error::EmptyArray { device },
             Error::NotHostAccessible { device },
+            Error::TraceFile {
+                path: "/no/such/dir/trace.json".into(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            },
+            Error::TraceActive,
         ]
     }
 

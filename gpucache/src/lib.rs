@@ -218,6 +218,22 @@
 //! its scope. gpucache is not a communication library: starting ranks and handing NCCL's unique
 //! id over are the program's. The `nccl` module documents the set-ups.
 //!
+//! ## Memory over time
+//!
+//! Recording is opt-in, at run time: `GPUCACHE_TRACE=trace.json` in the environment records
+//! the whole run and writes the file when the process exits, and [`trace::start`] /
+//! [`trace::stop`] record part of a run from code and hand the events back. Every scope entry
+//! and exit, hit, miss, drop, device free, invalidation, eviction, `empty_cache`, out-of-memory
+//! (with the release and the retry's outcome) and return from another thread is an
+//! [`trace::Event`] with its time, thread, cache, key, bytes, device and CUDA stream. The file
+//! is Chrome trace-event JSON: open it at <https://ui.perfetto.dev> (or `chrome://tracing`) to see
+//! each thread's scopes as slices and the bytes in use and cached as counter tracks per device
+//! and per cache. While recording is off it costs nothing measurable (one test of a flag the
+//! hot paths already test); the [`trace`] module has the details and the cost per event.
+//!
+//! With the `tracing` feature, misses, evictions and invalidations are also `tracing` debug
+//! events and out-of-memory a warning (hits never are).
+//!
 //! ## Turning caching off
 //!
 //! `GPUCACHE_DISABLE=1` in the environment (read once, at the first allocation) turns caching
@@ -251,6 +267,7 @@ mod scope;
 mod shape;
 mod stats;
 pub mod testing;
+pub mod trace;
 
 pub use array::Array;
 pub use config::{CacheConfig, KeyPolicy, Reuse};

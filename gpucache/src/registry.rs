@@ -18,6 +18,7 @@ use thread_local::ThreadLocal;
 use crate::backend::{self, AllocError, Block};
 use crate::cache::CacheCell;
 use crate::stats::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
+use crate::trace;
 use crate::{CacheConfig, Device, DeviceStats, Error, Result};
 
 /// A thread's caches, as other threads see them.
@@ -133,22 +134,33 @@ pub(crate) fn cell(name: &str) -> Option<Arc<CacheCell>> {
             if let Some(cell) = local.caches.borrow().get(name) {
                 return Arc::clone(cell);
             }
-            let cell = {
-                // Listed for other threads under the options' lock: a `configure` of this name
-                // either wrote its options before this reads them, or finds the cell listed.
-                let configs = CONFIGS.lock();
-                let config = lookup(&configs, name);
-                let cell = Arc::new(CacheCell::new(name, &local.thread_name, config));
-                local.entry.cells.lock().push(Arc::clone(&cell));
-                cell
-            };
-            local
-                .caches
-                .borrow_mut()
-                .insert(name.into(), Arc::clone(&cell));
-            cell
+            create(local, name)
         })
         .ok()
+}
+
+/// A new cache `name` of this thread (out of line: scope entries only look caches up).
+#[cold]
+#[inline(never)]
+fn create(local: &Local, name: &str) -> Arc<CacheCell> {
+    let cell = {
+        // Listed for other threads under the options' lock: a `configure` of this name either
+        // wrote its options before this reads them, or finds the cell listed.
+        let configs = CONFIGS.lock();
+        let config = lookup(&configs, name);
+        let cell = Arc::new(CacheCell::new(name, &local.thread_name, config));
+        local.entry.cells.lock().push(Arc::clone(&cell));
+        cell
+    };
+    // Recording may have started after the cell was made and before it was listed.
+    if trace::on() {
+        cell.set_traced(true);
+    }
+    local
+        .caches
+        .borrow_mut()
+        .insert(name.into(), Arc::clone(&cell));
+    cell
 }
 
 /// This thread's cache `name`, if it exists.
@@ -212,6 +224,9 @@ pub fn invalidate(name: &str) {
 /// Buffers of live arrays are untouched. The free lists of a cache that another thread is using
 /// inside a scope at this moment are released when that scope exits.
 pub fn empty_cache() {
+    if trace::on() {
+        trace::record(trace::Note::about(trace::EventKind::EmptyCache, None));
+    }
     release_cached(None, false);
 }
 
@@ -374,8 +389,12 @@ pub(crate) fn alloc_block(
         Err(AllocError::Other(e)) => return Err(e),
         Err(AllocError::OutOfMemory) => {}
     }
+    let before = backend.stats(device).bytes_allocated;
     release_cached(Some(device), true);
-    match Block::alloc(&backend, device, capacity, zeroed) {
+    let released = before.saturating_sub(backend.stats(device).bytes_allocated);
+    let retry = Block::alloc(&backend, device, capacity, zeroed);
+    note_out_of_memory(device, requested, released, retry.is_ok());
+    match retry {
         Ok(block) => Ok(block),
         Err(AllocError::Other(e)) => Err(e),
         Err(AllocError::OutOfMemory) => {
@@ -394,6 +413,44 @@ pub(crate) fn alloc_block(
                 cached,
                 in_use: allocated.saturating_sub(cached),
             })
+        }
+    }
+}
+
+/// Reports an allocation that ran out of memory, the bytes released and the retry's outcome:
+/// as a `tracing` warning (feature `tracing`) and a recorded event.
+#[cold]
+fn note_out_of_memory(device: Device, requested: usize, released: usize, recovered: bool) {
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        %device,
+        requested,
+        released,
+        recovered,
+        "out of memory: gave back cached buffers and retried"
+    );
+    if trace::on() {
+        trace::record(trace::Note {
+            bytes: requested,
+            device: Some(device),
+            stream: crate::backend::current_stream_id(device),
+            ..trace::Note::about(
+                trace::EventKind::OutOfMemory {
+                    released,
+                    recovered,
+                },
+                crate::scope::with_current(|c| c.map(CacheCell::trace_id)),
+            )
+        });
+    }
+}
+
+/// Turns recording of every cache's events on or off; when on, records the bytes each holds.
+pub(crate) fn set_traced(on: bool) {
+    for cell in all_cells() {
+        cell.set_traced(on);
+        if on {
+            cell.note_all_bytes();
         }
     }
 }

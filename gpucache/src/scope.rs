@@ -50,7 +50,11 @@ pub fn enter(name: &str) -> ScopeGuard {
             _not_send: PhantomData,
         };
     };
-    cell.enter();
+    if cell.traced() {
+        cell.enter_traced();
+    } else {
+        cell.enter();
+    }
     let top = Arc::as_ptr(&cell);
     let entry = ENTRIES.replace(ENTRIES.get() + 1);
     // While the stack is gone (thread teardown), the scope still holds `CURRENT`.
@@ -114,7 +118,11 @@ impl Drop for ScopeGuard {
             })
             .unwrap_or(ptr::null());
         CURRENT.set(top);
-        cell.exit();
+        if cell.traced() {
+            cell.exit_traced();
+        } else {
+            cell.exit();
+        }
     }
 }
 
@@ -154,6 +162,19 @@ pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
 #[cfg(feature = "cuda")]
 pub(crate) fn caching_disabled() -> bool {
     *DISABLED
+}
+
+/// [`with_current`], for the hit path: `None` also when the cache's events are being recorded
+/// (the slow path records them), with the one test `with_current` makes anyway.
+#[inline]
+pub(crate) fn with_current_plain<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
+    if *DISABLED {
+        return f(None);
+    }
+    let ptr = CURRENT.get();
+    // SAFETY: as in `with_innermost`.
+    let cell = unsafe { ptr.as_ref() };
+    f(cell.filter(|c| c.is_plain()))
 }
 
 /// The innermost entered cache of this thread, or null (for comparison only).

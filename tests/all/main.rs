@@ -7,7 +7,11 @@
 //! * `prop_programs`: random operation programs checked against a model after every step;
 //! * `stress`: many threads, many operations;
 //! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary);
-//! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form.
+//! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
+//! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes), the
+//!   allocation log of `examples/replay` and the replay of its fixture;
+//! * `tracing_events` (feature `tracing`): misses, evictions, invalidations and out-of-memory as
+//!   `tracing` events.
 //!
 //! `macros_lint` (crate-level lint attributes) and `ui` (trybuild) stay binaries of their own.
 //!
@@ -23,6 +27,10 @@ mod failures;
 mod faults;
 mod macros;
 mod prop_programs;
+#[path = "../../examples/replay/mod.rs"]
+mod replay;
 mod semantics;
 mod stress;
 mod threads;
+mod trace;
+mod tracing_events;

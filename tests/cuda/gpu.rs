@@ -321,6 +321,53 @@ fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// Recorded events of CUDA arrays name the device and the stream (`gpucache::trace`).
+fn trace_events_carry_the_stream(dev: Device) -> TestResult {
+    use gpucache::trace::EventKind;
+    if !caching() {
+        return Ok(()); // nothing is cached, so nothing of the cache is recorded
+    }
+    let ctx = gpucache::cuda::context(dev)?;
+    let s1 = ctx.new_stream()?;
+    gpucache::trace::start()?;
+    {
+        let _on_s1 = gpucache::cuda::use_stream(&s1)?;
+        for _ in 0..2 {
+            let _scope = enter("cuda-trace");
+            let _a = Array::<f32>::zeros(dev, 1 << 16)?;
+        }
+    }
+    let t = gpucache::trace::stop().ok_or("not recording")?;
+    let mine: Vec<_> = t
+        .events()
+        .iter()
+        .filter(|e| e.cache.as_deref() == Some("cuda-trace"))
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::Miss | EventKind::Hit | EventKind::FreeToCache
+            )
+        })
+        .collect();
+    let kinds: Vec<_> = mine.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            EventKind::Miss,
+            EventKind::FreeToCache,
+            EventKind::Hit,
+            EventKind::FreeToCache
+        ]
+    );
+    let handle = s1.cu_stream() as u64;
+    for e in &mine {
+        assert_eq!((e.device, e.stream), (Some(dev), Some(handle)), "{e:?}");
+        assert_eq!(e.bytes, 4 << 16);
+    }
+    gpucache::invalidate("cuda-trace");
+    Ok(())
+}
+
 fn a_buffer_recycled_on_another_stream_moves_to_it(dev: Device) -> TestResult {
     let ctx = gpucache::cuda::context(dev)?;
     let (s1, s2) = (ctx.new_stream()?, ctx.new_stream()?);
@@ -507,6 +554,10 @@ pub type GpuTest = fn(Device) -> TestResult;
 
 /// The tests that need a GPU.
 pub const TESTS: &[(&str, GpuTest)] = &[
+    (
+        "trace_events_carry_the_stream",
+        trace_events_carry_the_stream,
+    ),
     (
         "kernels_write_cached_arrays_and_values_round_trip",
         kernels_write_cached_arrays_and_values_round_trip,

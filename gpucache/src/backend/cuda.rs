@@ -149,7 +149,7 @@ thread_local! {
 
 /// The handle of this thread's current stream for device `ordinal` (null: the default stream).
 /// Cheap: no reference count is touched.
-fn current_handle(ordinal: usize) -> CUstream {
+pub(crate) fn current_handle(ordinal: usize) -> CUstream {
     CURRENT
         .try_with(|c| {
             c.borrow()

@@ -142,6 +142,26 @@ impl Block {
         }
     }
 
+    /// A number naming the block while it lives (the address of its host memory, or of its
+    /// CUDA buffer's bookkeeping), for recorded events.
+    pub(crate) fn id(&self) -> u64 {
+        match &*self.storage {
+            Storage::Host(h) => h.ptr().as_ptr() as u64,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => &raw const **c as u64,
+        }
+    }
+
+    /// The CUDA stream the block was last handed out on, as a number (its `CUstream` handle; 0
+    /// for the default stream), for recorded events. `None` for host memory.
+    pub(crate) fn stream_id(&self) -> Option<u64> {
+        match &*self.storage {
+            Storage::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Some(c.stream().cu_stream() as u64),
+        }
+    }
+
     /// Whether no device work that was recorded against this block on another stream is still
     /// running, so that it may be handed out again. Host memory is always idle.
     #[inline]
@@ -246,6 +266,18 @@ pub(crate) fn resolve(device: Device) -> Result<Arc<dyn Backend>> {
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(Error::CudaNotEnabled { device }),
+    }
+}
+
+/// The calling thread's current stream for `device`, as a number (see [`Block::stream_id`]);
+/// `None` for host memory.
+pub(crate) fn current_stream_id(device: Device) -> Option<u64> {
+    match device {
+        Device::Cpu => None,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => Some(cuda::current_handle(n) as u64),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => None,
     }
 }
 

@@ -46,6 +46,17 @@ fn mix(h: u64, x: u64) -> u64 {
 }
 
 impl Key {
+    /// The key as recorded events report it.
+    pub(super) fn traced(&self) -> crate::trace::TraceKey {
+        match self {
+            Key::Exact { dtype, shape, .. } => crate::trace::TraceKey::Exact {
+                dtype: *dtype,
+                shape: shape.clone(),
+            },
+            Key::Class { bytes, .. } => crate::trace::TraceKey::SizeClass { bytes: *bytes },
+        }
+    }
+
     #[inline]
     fn as_ref(&self) -> KeyRef<'_> {
         match self {

@@ -8,11 +8,12 @@ use std::mem;
 use hashbrown::HashTable;
 
 use super::Request;
-use super::key::{Entry, KeyRef};
+use super::key::{Entry, Key, KeyRef};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy, Reuse};
 use crate::stats::{Counters, add, sub};
+use crate::trace::{self, EventKind};
 
 /// A free buffer and when it was freed (a stamp of the cache's clock).
 pub(super) struct Free {
@@ -27,11 +28,15 @@ pub(super) struct Slot {
     pub(super) gauge: u8,
     /// Oldest first; hits take the newest.
     free: Vec<Free>,
+    /// The key (for recorded events).
+    pub(super) key: Key,
 }
 
 /// The state of a cache, behind the cell's lock.
 pub(super) struct Inner {
     pub(super) config: CacheConfig,
+    /// The cache's number in recorded events.
+    pub(super) trace_id: u32,
     pub(super) generation: u32,
     keys: HashTable<Entry>,
     pub(super) slots: Vec<Slot>,
@@ -55,9 +60,10 @@ pub(super) struct Inner {
 
 impl Inner {
     /// An empty cache state with `config`.
-    pub(super) fn new(config: CacheConfig) -> Inner {
+    pub(super) fn new(config: CacheConfig, trace_id: u32) -> Inner {
         Inner {
             config,
+            trace_id,
             generation: 0,
             keys: HashTable::new(),
             slots: Vec::new(),
@@ -104,16 +110,17 @@ impl Inner {
         }
         let slot = u32::try_from(self.slots.len()).ok()?;
         let gauge = st.gauge_for(req.device)?;
-        self.slots.push(Slot {
-            device: req.device,
-            gauge,
-            free: Vec::new(),
-        });
         let entry = Entry {
             hash: key.hash(),
             key: key.to_owned(),
             slot,
         };
+        self.slots.push(Slot {
+            device: req.device,
+            gauge,
+            free: Vec::new(),
+            key: entry.key.clone(),
+        });
         self.keys.insert_unique(entry.hash, entry, |e| e.hash);
         Some(slot)
     }
@@ -148,7 +155,7 @@ impl Inner {
         self.live -= 1;
         let g = self.gauge(slot);
         if generation != self.generation {
-            self.free(st, g, block);
+            self.free(st, slot, block);
         } else if active && self.config.reuse == Reuse::OnExit {
             add(&st.gauge(g).waiting, block.bytes());
             self.pending.push((slot, block));
@@ -169,10 +176,14 @@ impl Inner {
             .into_iter()
             .partition(|(_, b)| b.is_idle());
         self.deferred = busy;
+        let moved = !idle.is_empty();
         for (slot, block) in idle {
             let g = self.gauge(slot);
             sub(&st.gauge(g).waiting, block.bytes());
             self.push_free(st, slot, g, block);
+        }
+        if moved && trace::on() {
+            self.note_bytes(st);
         }
     }
 
@@ -198,9 +209,12 @@ impl Inner {
         self.evict(st);
     }
 
-    /// Gives a block of gauge `g` back to the device.
-    pub(super) fn free(&mut self, st: &Counters, g: u8, block: Block) {
-        st.freed(g, block.bytes());
+    /// Gives a block of free list `slot` back to the device.
+    pub(super) fn free(&mut self, st: &Counters, slot: u32, block: Block) {
+        st.freed(self.gauge(slot), block.bytes());
+        if trace::on() {
+            self.note_block(st, EventKind::DeviceFree, slot, &block);
+        }
         drop(block);
     }
 
@@ -239,21 +253,21 @@ impl Inner {
         for (slot, block) in freed {
             let g = self.gauge(slot);
             sub(&st.gauge(g).waiting, block.bytes());
-            self.free(st, g, block);
+            self.free(st, slot, block);
         }
     }
 
     /// Frees the free lists (of `device`, or all).
     pub(super) fn flush(&mut self, st: &Counters, device: Option<Device>) {
         let mut freed = Vec::new();
-        for list in &mut self.slots {
+        for (list, slot) in self.slots.iter_mut().zip(0u32..) {
             if device.is_none_or(|d| d == list.device) {
-                freed.extend(list.free.drain(..).map(|f| (list.gauge, f.block)));
+                freed.extend(list.free.drain(..).map(|f| (slot, list.gauge, f.block)));
             }
         }
-        for (g, block) in freed {
+        for (slot, g, block) in freed {
             sub(&st.gauge(g).cached, block.bytes());
-            self.free(st, g, block);
+            self.free(st, slot, block);
         }
     }
 
@@ -279,6 +293,14 @@ impl Inner {
         self.lru.clear();
         self.generation = self.generation.wrapping_add(1);
         add(&st.invalidations, 1);
+        #[cfg(feature = "tracing")]
+        tracing::debug!(cache = %trace::cache_name(self.trace_id), "cache invalidated");
+        if trace::on() {
+            trace::record(trace::Note::about(
+                EventKind::Invalidate,
+                Some(self.trace_id),
+            ));
+        }
     }
 
     /// Applies `config`; changing the key policy invalidates the cache.
@@ -308,7 +330,17 @@ impl Inner {
                 let g = list.gauge;
                 sub(&st.gauge(g).cached, block.bytes());
                 add(&st.evictions, 1);
-                self.free(st, g, block);
+                #[cfg(feature = "tracing")]
+                tracing::debug!(
+                    cache = %trace::cache_name(self.trace_id),
+                    bytes = block.bytes(),
+                    cap,
+                    "evicted a free buffer to stay within max_cached_bytes"
+                );
+                if trace::on() {
+                    self.note_block(st, EventKind::Evict, slot, &block);
+                }
+                self.free(st, slot, block);
             }
         }
     }

@@ -40,12 +40,13 @@
 mod key;
 mod lists;
 mod remote;
+mod traced;
 
 use std::cell::{Cell, UnsafeCell};
 use std::mem;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*, fence};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering::*, fence};
 
 use parking_lot::RawMutex;
 use parking_lot::lock_api::RawMutex as _;
@@ -53,11 +54,17 @@ use parking_lot::lock_api::RawMutex as _;
 use crate::backend::Block;
 use crate::config::CacheConfig;
 use crate::stats::{CacheStats, Counters, DeviceBytes, add};
+use crate::trace::{self, EventKind};
 use crate::{DType, Device};
 
 use lists::Inner;
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, release_remote};
+
+/// [`CacheCell::flags`]: the owner thread has exited.
+const CLOSED: u8 = 1;
+/// [`CacheCell::flags`]: events are being recorded.
+const TRACED: u8 = 2;
 
 /// A number naming a thread, unique for the life of the process (never reused).
 pub(crate) type ThreadToken = u64;
@@ -132,11 +139,16 @@ pub(crate) struct CacheCell {
     lock: RawMutex,
     /// Active scope entries; written and read by the owner only.
     depth: AtomicU32,
-    /// Set by the owner when its thread exits; read by the owner only.
-    closed: AtomicBool,
+    /// [`CLOSED`]: set by the owner when its thread exits. [`TRACED`]: events of the cache are
+    /// being recorded (set by `trace::start` and `trace::stop`, from any thread). One byte, so
+    /// that the hot paths, which must test `CLOSED` anyway, send a traced cache to the slow path
+    /// with the same test ([`CacheCell::is_plain`]).
+    flags: AtomicU8,
     inner: UnsafeCell<Inner>,
     stats: Counters,
     remote: RemoteSide,
+    /// The cache's number in recorded events.
+    trace_id: u32,
 }
 
 // SAFETY: `inner` is only accessed by the thread holding `lock` (the owner during an active scope
@@ -165,16 +177,19 @@ impl Drop for Held<'_> {
 impl CacheCell {
     /// A new, empty cache with `config`, owned by the calling thread.
     pub(crate) fn new(name: &str, thread_name: &str, config: CacheConfig) -> CacheCell {
+        let owner = thread_token();
+        let trace_id = trace::register_cell(name, owner);
         CacheCell {
             name: name.into(),
             thread_name: thread_name.into(),
-            owner: thread_token(),
+            owner,
             lock: RawMutex::INIT,
             depth: AtomicU32::new(0),
-            closed: AtomicBool::new(false),
-            inner: UnsafeCell::new(Inner::new(config)),
+            flags: AtomicU8::new(if trace::on() { TRACED } else { 0 }),
+            inner: UnsafeCell::new(Inner::new(config, trace_id)),
             stats: Counters::default(),
             remote: RemoteSide::default(),
+            trace_id,
         }
     }
 
@@ -186,6 +201,11 @@ impl CacheCell {
     /// The name of the owner thread.
     pub(crate) fn thread_name(&self) -> &str {
         &self.thread_name
+    }
+
+    /// The cache's number in recorded events.
+    pub(crate) fn trace_id(&self) -> u32 {
+        self.trace_id
     }
 
     /// The number of the owner thread (its [`ThreadToken`]).
@@ -237,7 +257,28 @@ impl CacheCell {
     /// Whether the owner thread has exited (or is exiting) and closed the cache.
     #[inline]
     pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Relaxed)
+        self.flags.load(Relaxed) & CLOSED != 0
+    }
+
+    /// Neither closed nor recorded: the hot paths may serve it without recording.
+    #[inline]
+    pub(crate) fn is_plain(&self) -> bool {
+        self.flags.load(Relaxed) == 0
+    }
+
+    /// Whether events of this cache are being recorded.
+    #[inline]
+    pub(crate) fn traced(&self) -> bool {
+        self.flags.load(Relaxed) & TRACED != 0
+    }
+
+    /// Turns recording of this cache's events on or off (any thread).
+    pub(crate) fn set_traced(&self, on: bool) {
+        if on {
+            self.flags.fetch_or(TRACED, Relaxed);
+        } else {
+            self.flags.fetch_and(!TRACED, Relaxed);
+        }
     }
 
     #[inline]
@@ -393,6 +434,8 @@ impl CacheCell {
 
     /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only
     /// on this thread's current (hence active) cache.
+    /// The caller passes only a [plain](CacheCell::is_plain) cache: a recorded one goes to
+    /// [`CacheCell::take`], which records the hit.
     #[inline]
     pub(crate) fn hit(&self, req: &Request<'_>) -> Option<(Block, Home)> {
         debug_assert!(self.is_owned_here() && self.is_active());
@@ -414,7 +457,12 @@ impl CacheCell {
         match inner.slot_of(&self.stats, req) {
             None => Take::Bypass,
             Some(slot) => match inner.pop(&self.stats, slot) {
-                Some(block) => Take::Hit(block, self.home(slot, inner.generation)),
+                Some(block) => {
+                    if self.traced() {
+                        inner.note_hit(&self.stats, slot, &block);
+                    }
+                    Take::Hit(block, self.home(slot, inner.generation))
+                }
                 None => Take::Miss {
                     capacity: inner.config.key.capacity(req.bytes),
                 },
@@ -429,6 +477,18 @@ impl CacheCell {
             inner.live += 1;
             add(&st.misses, 1);
             st.allocated(inner.slots[slot as usize].gauge, block.bytes());
+            #[cfg(feature = "tracing")]
+            tracing::debug!(
+                cache = %self.name,
+                dtype = %req.dtype,
+                dims = ?req.dims,
+                device = %req.device,
+                bytes = block.bytes(),
+                "cache miss: allocated from the device"
+            );
+            if trace::on() {
+                inner.note_block(st, EventKind::Miss, slot, block);
+            }
             Some(self.home(slot, inner.generation))
         })
     }
@@ -497,15 +557,17 @@ impl CacheCell {
             }
             for r in remote.queue.drain(..) {
                 inner.live -= 1;
-                let g = inner.slots[r.slot as usize].gauge;
-                inner.free(st, g, r.block);
+                inner.free(st, r.slot, r.block);
             }
             remote.closed = true;
             remote.orphans = inner.live;
             if inner.live > 0 {
                 remote.keepalive = Some(Arc::clone(self));
             }
-            self.closed.store(true, Relaxed);
+            self.flags.fetch_or(CLOSED, Relaxed);
+            if self.traced() {
+                self.note_closed();
+            }
         });
     }
 }
@@ -518,11 +580,13 @@ pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
     // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
     // have been freed (the remote path drops its last use before releasing the keep-alive).
     let cell = unsafe { home.cell.as_ref() };
-    if ptr::eq(current, cell) && !cell.is_closed() {
+    if ptr::eq(current, cell) && cell.is_plain() {
         // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this is the
         // owner thread, inside a scope of the cell.
         let inner = unsafe { cell.locked() };
         inner.release(&cell.stats, true, home.slot, home.generation, block);
+    } else if cell.traced() {
+        traced::release_traced(home, block, current);
     } else if cell.is_owned_here() && !cell.is_closed() {
         let active = cell.is_active();
         cell.owned(|inner, st| inner.release(st, active, home.slot, home.generation, block));

@@ -90,8 +90,16 @@ impl CacheCell {
             inner.live -= 1;
             self.stats.freed(g, bytes);
         }
+        let traced = crate::trace::on();
         for r in returned {
-            inner.release(&self.stats, active, r.slot, r.generation, r.block);
+            if traced {
+                inner.release_traced(&self.stats, active, r.slot, r.generation, r.block);
+            } else {
+                inner.release(&self.stats, active, r.slot, r.generation, r.block);
+            }
+        }
+        if traced {
+            inner.note_bytes(&self.stats);
         }
     }
 
@@ -117,6 +125,9 @@ impl CacheCell {
         if !freed.is_empty() {
             // The lock holder accounts them when it next takes the queue in.
             self.remote.returned.store(true, Release);
+            if crate::trace::on() {
+                self.note_freed_returned(&freed);
+            }
         }
         // Freed outside the mutex: a device free may wait for the device.
         drop(freed);
@@ -137,14 +148,21 @@ pub(super) fn release_remote(home: Home, block: Block) {
                 None
             };
             drop(remote);
+            if crate::trace::on() {
+                cell.note_freed_returned(std::slice::from_ref(&block));
+            }
             drop(block);
             keepalive
         } else {
-            remote.queue.push(Returned {
+            let r = Returned {
                 block,
                 slot: home.slot,
                 generation: home.generation,
-            });
+            };
+            if crate::trace::on() {
+                cell.note_returned(&r);
+            }
+            remote.queue.push(r);
             cell.remote.returned.store(true, Release);
             None
         }

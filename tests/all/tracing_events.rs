@@ -1,0 +1,101 @@
+//! Feature `tracing`: misses, evictions and invalidations are `tracing` debug events, an
+//! out-of-memory a warning, and hits none (checked with a subscriber that collects them).
+#![cfg(feature = "tracing")]
+
+use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
+
+use gpucache::testing::{CountingBackend, use_backend};
+use gpucache::{Array, Device, Reuse, enter};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Metadata, Subscriber};
+
+use crate::common::{configure, serial};
+
+/// (level, message, `cache` field) of every event.
+type Seen = Arc<Mutex<Vec<(Level, String, String)>>>;
+
+struct Collect(Seen);
+
+#[derive(Default)]
+struct Fields {
+    message: String,
+    cache: String,
+}
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn Debug) {
+        match field.name() {
+            "message" => self.message = format!("{value:?}"),
+            "cache" => self.cache = format!("{value:?}"),
+            _ => {}
+        }
+    }
+}
+
+impl Subscriber for Collect {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let level = *event.metadata().level();
+        self.0
+            .lock()
+            .unwrap()
+            .push((level, fields.message, fields.cache));
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+/// The events `f` emits on this thread.
+fn collect(f: impl FnOnce()) -> Vec<(Level, String, String)> {
+    let seen = Seen::default();
+    tracing::subscriber::with_default(Collect(Arc::clone(&seen)), f);
+    seen.lock().unwrap().clone()
+}
+
+#[test]
+fn misses_evictions_invalidations_and_out_of_memory_are_tracing_events_hits_are_not() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    let name = "tracing-events";
+    configure(name, |c| {
+        c.reuse = Reuse::Immediate;
+        c.max_cached_bytes = Some(1000);
+    });
+    let seen = collect(|| {
+        let _scope = enter(name);
+        for _ in 0..5 {
+            drop(Array::<u8>::zeros(Device::Cpu, 600).unwrap()); // 1 miss, 4 hits
+        }
+        drop(Array::<u8>::zeros(Device::Cpu, 700).unwrap()); // a miss that evicts the 600
+        gpucache::invalidate(name);
+        backend.fail_nth(1);
+        backend.fail_nth(2);
+        assert!(Array::<u8>::zeros(Device::Cpu, 8).is_err());
+    });
+    let of = |level: Level, text: &str| {
+        seen.iter()
+            .filter(|(l, m, _)| *l == level && m.contains(text))
+            .count()
+    };
+    assert_eq!(of(Level::DEBUG, "cache miss"), 2, "{seen:?}");
+    assert_eq!(of(Level::DEBUG, "evicted"), 1, "{seen:?}");
+    assert_eq!(of(Level::DEBUG, "invalidated"), 1, "{seen:?}");
+    assert_eq!(of(Level::WARN, "out of memory"), 1, "{seen:?}");
+    assert_eq!(seen.len(), 5, "nothing else, hits included: {seen:?}");
+    assert!(
+        seen.iter().take(4).all(|(_, _, cache)| cache == name),
+        "{seen:?}"
+    );
+}

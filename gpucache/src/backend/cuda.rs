@@ -22,12 +22,13 @@
 //! Unmarked buffers never create an event.
 
 use std::cell::RefCell;
+use std::mem::{self, ManuallyDrop};
+use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock, OnceLock};
-use std::{mem, ptr};
 
-use cudarc::driver::sys::{CUresult, CUstream};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
@@ -232,8 +233,12 @@ impl Backend for CudaBackend {
         }
         state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(bytes, Relaxed);
+        let (base, read) = slice.device_ptr(&stream);
+        drop(read);
         Ok(Storage::Cuda(Box::new(CudaBuf {
-            slice,
+            slice: ManuallyDrop::new(slice),
+            base,
+            view: false,
             stream,
             marked: Mutex::new(SmallVec::new()),
             events: Vec::new(),
@@ -264,7 +269,13 @@ impl Backend for CudaBackend {
 /// cross-stream uses declared with `Array::record_stream`.
 #[derive(Debug)]
 pub(crate) struct CudaBuf {
-    slice: CudaSlice<u8>,
+    /// Dropped in `Drop`: freed by cudarc, or leaked back for a view.
+    slice: ManuallyDrop<CudaSlice<u8>>,
+    /// The device address of the first byte.
+    base: CUdeviceptr,
+    /// Whether this is a view of another buffer's memory (see [`CudaBuf::view`]), which it
+    /// must never free.
+    view: bool,
     /// The stream of the buffer's current (or last) owner.
     stream: Arc<CudaStream>,
     /// Other streams the current owner was used on (`Array::record_stream`), not yet recorded.
@@ -283,6 +294,49 @@ impl CudaBuf {
     /// The device the buffer lives on.
     pub(crate) fn device(&self) -> Device {
         Device::Cuda(self.slice.ordinal())
+    }
+
+    /// A view of the `bytes` bytes at `offset`, on this thread's current stream for the device:
+    /// a cudarc slice of its own (with its own read/write events), which is never freed.
+    ///
+    /// # Safety
+    /// `offset + bytes <= self.bytes()`, `bytes > 0`, and the memory stays allocated for as long
+    /// as the view lives.
+    pub(crate) unsafe fn view(&self, offset: usize, bytes: usize) -> Result<CudaBuf> {
+        let n = self.slice.ordinal();
+        let stream = current_stream(n, device_state(n)?);
+        let base = self.base + offset as CUdeviceptr;
+        // SAFETY: the range lies inside this buffer's allocation (caller), which outlives the
+        // view; the view's slice is leaked back, never freed, when it drops (`view: true`).
+        let slice = unsafe { stream.upgrade_device_ptr::<u8>(base, bytes) };
+        Ok(CudaBuf {
+            slice: ManuallyDrop::new(slice),
+            base,
+            view: true,
+            stream,
+            marked: Mutex::new(SmallVec::new()),
+            events: Vec::new(),
+        })
+    }
+
+    /// A view's owner dropped: its marked streams, and its own stream if it is not the
+    /// parent's, become marks of `parent`, recorded when the parent's owner ends its use.
+    pub(crate) fn hand_marks_to(&mut self, parent: &CudaBuf) {
+        let own = parent.stream.cu_stream();
+        let mut marks = mem::take(self.marked.get_mut());
+        if self.stream.cu_stream() != own {
+            marks.push(Arc::clone(&self.stream));
+        }
+        if marks.is_empty() {
+            return;
+        }
+        let mut marked = parent.marked.lock();
+        for stream in marks {
+            let s = stream.cu_stream();
+            if s != own && !marked.iter().any(|m| m.cu_stream() == s) {
+                marked.push(stream);
+            }
+        }
     }
 
     /// cudarc's slice of the whole buffer.
@@ -398,6 +452,13 @@ impl Drop for CudaBuf {
     /// cudarc frees the slice on the stream it was allocated on, after its tracked reads and
     /// writes. Order that free after the owner's stream and the marked streams too.
     fn drop(&mut self) {
+        if self.view {
+            // SAFETY: `slice` is taken once, here, and `self` is not used after.
+            let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+            // Not ours to free: cudarc waits for the view's events and forgets the pointer.
+            slice.leak();
+            return;
+        }
         self.end_use();
         let free_stream = Arc::clone(self.slice.stream());
         let ctx = free_stream.context();
@@ -410,5 +471,7 @@ impl Drop for CudaBuf {
             ctx.record_err::<()>(Err(e));
             ctx.record_err(self.stream.synchronize());
         }
+        // SAFETY: `slice` is taken once, here, and `self` is not used after.
+        drop(unsafe { ManuallyDrop::take(&mut self.slice) });
     }
 }

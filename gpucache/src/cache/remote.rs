@@ -11,13 +11,15 @@ use std::sync::atomic::{AtomicBool, Ordering::*};
 
 use parking_lot::Mutex;
 
+use super::arena::ARENA;
 use super::lists::Inner;
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::CacheConfig;
 
-/// A buffer returned by another thread, waiting for the owner.
+/// A buffer returned by another thread, waiting for the owner (`slot` [`ARENA`]: a retired arena
+/// block whose last array dropped).
 pub(super) struct Returned {
     pub(super) block: Block,
     pub(super) slot: u32,
@@ -84,7 +86,11 @@ impl CacheCell {
             self.stats.freed(g, bytes);
         }
         for r in returned {
-            inner.release(&self.stats, active, r.slot, r.generation, r.block);
+            if r.slot == ARENA {
+                inner.take_back(&self.stats, r.block, r.generation);
+            } else {
+                inner.release(&self.stats, active, r.slot, r.generation, r.block);
+            }
         }
     }
 

@@ -354,15 +354,21 @@ impl Inner {
             if !busy {
                 continue;
             }
-            let used: Vec<Used> = a.extra.drain(..).chain(a.current.take()).collect();
-            for u in used {
+            let current = a.current.take();
+            let used: Vec<(Used, bool)> = mem::take(&mut a.extra)
+                .into_iter()
+                .map(|u| (u, false))
+                .chain(current.map(|u| (u, true)))
+                .collect();
+            for (u, is_current) in used {
                 // SAFETY: the step's blocks are the cache's.
                 let views = unsafe { u.arena.as_ref() }.views();
                 if views > 0 && !retire {
-                    // Keep it; its arrays are alive.
-                    match a.current {
-                        None => a.current = Some(u),
-                        Some(_) => a.extra.push(u),
+                    // Its arrays are alive: it stays where it was.
+                    if is_current {
+                        a.current = Some(u);
+                    } else {
+                        a.extra.push(u);
                     }
                     continue;
                 }
@@ -404,7 +410,7 @@ impl Inner {
     }
 
     /// Frees the oldest spare blocks until the spares fit in `cap`.
-    fn evict_spares(&mut self, st: &Counters, cap: Option<usize>) {
+    pub(super) fn evict_spares(&mut self, st: &Counters, cap: Option<usize>) {
         let Some(cap) = cap else {
             return;
         };

@@ -296,6 +296,7 @@ impl Inner {
         self.config = config;
         self.rebuild_lru();
         self.evict(st);
+        self.evict_spares(st, config.max_cached_bytes);
     }
 
     /// Frees the least recently freed buffers until the cache is within its byte cap.

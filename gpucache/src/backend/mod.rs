@@ -151,14 +151,13 @@ impl Block {
         })
     }
 
-    /// The block this one is a view of, if it is a view.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The pointer this view was made from (`None` for a block that is not a view): its maker
+    /// may cast it back to what it pointed into.
     #[inline]
-    pub(crate) fn parent(&self) -> Option<&Block> {
+    pub(crate) fn parent_ptr(&self) -> Option<NonNull<Block>> {
         match self.owner {
             Owner::Backend(_) => None,
-            // SAFETY: the maker of the view keeps the parent alive and shared while it lives.
-            Owner::Parent(p) => Some(unsafe { p.as_ref() }),
+            Owner::Parent(p) => Some(p),
         }
     }
 
@@ -284,8 +283,9 @@ impl Drop for Block {
         let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
         match &self.owner {
             Owner::Backend(backend) => backend.free(storage.device(), storage),
-            // A view owns no memory (a CUDA view leaks its slice back when it drops).
-            Owner::Parent(_) => drop(storage),
+            // A view owns no memory: `storage` just goes out of scope (a CUDA view leaks its
+            // slice back when it drops).
+            Owner::Parent(_) => {}
         }
     }
 }

@@ -86,9 +86,9 @@ impl ArenaBlock {
     /// # Safety
     /// `view` was made from an [`ArenaBlock`] by [`bump`](Inner::bump) and is still alive.
     unsafe fn of_view(view: &Block) -> Option<BlockPtr> {
-        let parent = view.parent()?;
-        // `block` is the first field of the `repr(C)` `ArenaBlock` it was made from.
-        Some(NonNull::from(parent).cast::<ArenaBlock>())
+        // `block` is the first field of the `repr(C)` `ArenaBlock` the pointer was made from,
+        // with that allocation's provenance.
+        Some(view.parent_ptr()?.cast::<ArenaBlock>())
     }
 
     /// Takes the block back from the heap, ending the use of the views (their streams' events

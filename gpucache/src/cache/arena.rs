@@ -519,7 +519,8 @@ impl DeviceArena {
 impl CacheCell {
     /// Returns a view of an arena block from any thread. On the owner thread (cell open) it
     /// goes back under the lock; elsewhere only the block's count changes, and the last view of
-    /// a retired block sends the block home.
+    /// a retired block sends the block home. Out of line, so that `release` stays small.
+    #[inline(never)]
     pub(super) fn release_view(home: Home, view: Block, current: *const CacheCell) {
         // SAFETY: `view` was made by `bump` from an arena block and is alive.
         let Some(arena) = (unsafe { ArenaBlock::of_view(&view) }) else {

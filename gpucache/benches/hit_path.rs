@@ -17,16 +17,19 @@
 //!   them); `keys/1KiB/10000-cycling` allocates all 10,000 keys in turn (time per allocation).
 //! * `scope_cycle/1KiB`: `enter` + `empty` + drop + exit under the default `Reuse::OnExit`.
 //! * `traced/1KiB`: `empty/1KiB`'s hit + drop while events are recorded (two per iteration).
+//! * `bump/1KiB`: an arena cache's bump + drop (`KeyPolicy::Arena`) beside the free-list hit +
+//!   drop (`KeyPolicy::Exact`, `Reuse::Immediate`), both in steps of [`BUMPS`] allocations (an
+//!   arena frees its arrays only when the scope exits), the enter and exit included.
 
 use std::alloc::{self, Layout};
 use std::hint::black_box;
 use std::iter;
 use std::ptr::NonNull;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, criterion_group, criterion_main};
-use gpucache::{Array, CacheConfig, Device, Reuse, Shape};
+use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, Shape};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;
@@ -277,12 +280,56 @@ fn bench_traced(c: &mut Criterion) {
     gpucache::invalidate(SCOPE);
 }
 
+/// Allocations per step in `bump/1KiB`.
+const BUMPS: u64 = 1024;
+
+/// An arena's bump + drop beside the free-list hit + drop, per allocation, in steps of
+/// [`BUMPS`].
+fn bench_bump(c: &mut Criterion) {
+    let shape = f32_shape(KIB);
+    let variants = [
+        ("free_list_hit", "bench_bump_exact", KeyPolicy::Exact),
+        ("arena_bump", "bench_bump_arena", KeyPolicy::Arena),
+    ];
+    group(c, "bump/1KiB".into(), KIB, |g| {
+        for (label, scope, key) in variants {
+            gpucache::configure(
+                scope,
+                CacheConfig {
+                    reuse: Reuse::Immediate,
+                    key,
+                    ..CacheConfig::default()
+                },
+            );
+            let steps = |n: u64| {
+                let start = Instant::now();
+                let mut left = n;
+                while left > 0 {
+                    let _scope = gpucache::enter(scope);
+                    for _ in 0..left.min(BUMPS) {
+                        drop(black_box(empty(shape)));
+                    }
+                    left = left.saturating_sub(BUMPS);
+                }
+                start.elapsed()
+            };
+            // Warm up: a block sized to a whole step, or the free list's buffer.
+            steps(2 * BUMPS);
+            let before = gpucache::stats(scope);
+            g.bench_function(label, |b| b.iter_custom(steps));
+            assert_only_hits(scope, before);
+            gpucache::invalidate(scope);
+        }
+    });
+}
+
 criterion_group!(
     benches,
     bench_traced,
     bench_empty,
     bench_zeros,
     bench_keys,
-    bench_scope_cycle
+    bench_scope_cycle,
+    bench_bump
 );
 criterion_main!(benches);

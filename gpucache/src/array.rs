@@ -139,10 +139,11 @@ impl<T: Element> Array<T> {
             bytes,
         };
         let got: Result<_> = scope::with_current(|cache| {
-            let (cache, capacity) = match cache.map(|c| (c, c.take(&req))) {
+            let (cache, capacity, zeroed) = match cache.map(|c| (c, c.take(&req))) {
                 Some((_, Take::Hit(block, home))) => return Ok((block, Some(home), true)),
-                Some((c, Take::Miss { capacity })) => (Some(c), capacity),
-                Some((_, Take::Bypass)) | None => (None, bytes),
+                Some((_, Take::Failed(e))) => return Err(e),
+                Some((c, Take::Miss { capacity, zeroed })) => (Some(c), capacity, zeroed),
+                Some((_, Take::Bypass)) | None => (None, bytes, false),
             };
             #[cfg(feature = "cuda")]
             if device != Device::Cpu && crate::cuda::graph::capturing() {
@@ -155,9 +156,11 @@ impl<T: Element> Array<T> {
                     device,
                 }));
             }
-            let block = registry::alloc_block(device, capacity, bytes, zero_new)?;
-            let home = cache.and_then(|c| c.adopt(&req, &block));
-            Ok((block, home, false))
+            let block = registry::alloc_block(device, capacity, bytes, zero_new || zeroed)?;
+            match cache {
+                Some(c) => c.adopt(&req, block),
+                None => Ok((block, None, false)),
+            }
         });
         match got? {
             (block, Some(home), true) => Self::recycled(block, home, shape, device, bytes, zero),

@@ -45,13 +45,29 @@ pub enum KeyPolicy {
     /// and below, then four per power of two (`2^k`, `1.25·2^k`, `1.5·2^k`, `1.75·2^k`), so at
     /// most a quarter of a buffer is slack. For loops whose shapes vary from step to step.
     SizeClass,
+    /// One block per device, from which every array of a scope is bump-allocated at 256-byte
+    /// aligned offsets, whatever its shape and element type; everything a scope handed out
+    /// becomes free together when its outermost entry exits. For loops whose shapes vary from
+    /// step to step (see [Choosing a key policy](crate#choosing-a-key-policy)).
+    ///
+    /// * **Steady state**: one block, sized to the largest step, and no device allocation for
+    ///   any mix of smaller shapes. A step that does not fit continues in extra blocks; at the
+    ///   end of that step they are replaced by one block sized to what the step used.
+    /// * **Escaping arrays** keep their block alive, and it is never bumped from again: the next
+    ///   step uses another block. When the last array of the old block drops (on any thread) it
+    ///   becomes a spare for later steps, or goes back to the device when it is too small or
+    ///   over `max_cached_bytes`, which bounds the spare blocks.
+    /// * [`Reuse`] does not apply: memory is free only when the scope exits.
+    /// * **Stats**: a bump is a hit, and a bump that needs a new block a miss; the bytes of a
+    ///   block not bumped from yet, and blocks no array uses, count as cached.
+    Arena,
 }
 
 impl KeyPolicy {
     /// The capacity of the buffer this policy gives an array of `bytes > 0` bytes.
     pub(crate) fn capacity(self, bytes: usize) -> usize {
         match self {
-            KeyPolicy::Exact => bytes,
+            KeyPolicy::Exact | KeyPolicy::Arena => bytes,
             // A class above the largest allocation would fail where the array itself fits.
             KeyPolicy::SizeClass => Some(size_class(bytes))
                 .filter(|&c| c <= crate::shape::MAX_BYTES)

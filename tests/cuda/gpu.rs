@@ -230,46 +230,20 @@ fn an_escaped_array_is_not_overwritten_by_later_steps(dev: Device) -> TestResult
 }
 
 fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
-    let ctx = gpucache::cuda::context(dev)?;
-    let side = ctx.new_stream()?; // B: reads the array
-    let signal = ctx.new_stream()?; // C: releases B's kernel
     let main = current(dev); // A: the thread's current (default) stream
     let n = 1 << 16;
     let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
-    let mut flag = Array::<i32>::zeros(dev, 1)?;
-    let mut status = Array::<i32>::zeros(dev, 1)?;
-    let mut out = Array::<f32>::zeros(dev, n)?;
-    // B's kernel polls the flag through a plain pointer: the flag's writer must not wait for it.
-    let flag_ptr: u64 = flag.device_ptr(&main).0;
-    main.synchronize()?;
+    let mut held = HeldCopy::new(dev, n)?;
 
     let x_addr;
     {
         let _scope = enter("cuda-xstream");
         let x = Array::from_slice(dev, &host, n)?;
         x_addr = addr(&x);
-        side.join(&main)?; // B sees x's contents
-        let len = n as u32;
-        let mut launch = side.launch_builder(&kernels(dev).wait_copy);
-        launch
-            .arg(&flag_ptr)
-            .arg(&x)
-            .arg(&mut out)
-            .arg(&len)
-            .arg(&mut status);
-        // SAFETY: `wait_copy` takes (const int*, const float*, float*, unsigned, int*); `flag`
-        // is alive until the end of the test, x and out hold n elements.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }?;
-        x.record_stream(&side)?;
+        held.launch(&x)?;
     } // x dropped while B's kernel still waits: its buffer must not be reused yet
 
-    let launched = side.record_event(None)?; // completes when B's kernel has finished
+    let launched = held.side.record_event(None)?; // completes when B's kernel has finished
 
     let mut deferred = false;
     {
@@ -294,15 +268,13 @@ fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
     }
 
     // Release B's kernel and wait for it.
-    signal.memcpy_htod(&[1i32], &mut flag)?;
-    side.synchronize()?;
-    match (deferred, status.to_vec()?[0]) {
+    match (deferred, held.release()?) {
         (true, 1) => eprintln!("B was still running at the reuse check: x's buffer was deferred"),
         (true, _) => eprintln!("notice: B's kernel gave up waiting for the flag (serialised work)"),
         (false, _) => eprintln!("notice: B finished before the reuse check (serialised launches)"),
     }
     assert_eq!(
-        out.to_vec()?,
+        held.out.to_vec()?,
         host,
         "B read x's values, not what A wrote later"
     );
@@ -366,6 +338,73 @@ fn trace_events_carry_the_stream(dev: Device) -> TestResult {
     }
     gpucache::invalidate("cuda-trace");
     Ok(())
+}
+
+/// A kernel on a side stream that copies an array only once released (or after 2 s): what a
+/// reader on another stream looks like while the array's buffer could be reused.
+struct HeldCopy {
+    /// B: runs the copy.
+    side: Arc<CudaStream>,
+    /// C: releases it.
+    signal: Arc<CudaStream>,
+    flag: Array<i32>,
+    /// The flag's address, passed as a plain pointer: its writer must not wait for B.
+    flag_ptr: u64,
+    status: Array<i32>,
+    out: Array<f32>,
+}
+
+impl HeldCopy {
+    fn new(dev: Device, n: usize) -> Result<HeldCopy, Box<dyn StdError>> {
+        let ctx = gpucache::cuda::context(dev)?;
+        let (side, signal) = (ctx.new_stream()?, ctx.new_stream()?);
+        let flag = Array::<i32>::zeros(dev, 1)?;
+        let main = current(dev);
+        let flag_ptr: u64 = flag.device_ptr(&main).0;
+        let status = Array::<i32>::zeros(dev, 1)?;
+        let out = Array::<f32>::zeros(dev, n)?;
+        main.synchronize()?;
+        Ok(HeldCopy {
+            side,
+            signal,
+            flag,
+            flag_ptr,
+            status,
+            out,
+        })
+    }
+
+    /// Launches the copy of `x` on B, after the thread's current stream, and marks `x` as used
+    /// on B.
+    fn launch(&mut self, x: &Array<f32>) -> TestResult {
+        self.side.join(&current(x.device()))?; // B sees x's contents
+        let len = x.len() as u32;
+        let mut launch = self.side.launch_builder(&kernels(x.device()).wait_copy);
+        launch
+            .arg(&self.flag_ptr)
+            .arg(x)
+            .arg(&mut self.out)
+            .arg(&len)
+            .arg(&mut self.status);
+        // SAFETY: `wait_copy` takes (const int*, const float*, float*, unsigned, int*); `flag`
+        // lives as long as `self`, x and out hold `len` elements.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        x.record_stream(&self.side)?;
+        Ok(())
+    }
+
+    /// Releases the copy and waits for it; returns the kernel's status (1: it saw the flag).
+    fn release(&mut self) -> Result<i32, Box<dyn StdError>> {
+        self.signal.memcpy_htod(&[1i32], &mut self.flag)?;
+        self.side.synchronize()?;
+        Ok(self.status.to_vec()?[0])
+    }
 }
 
 fn a_buffer_recycled_on_another_stream_moves_to_it(dev: Device) -> TestResult {
@@ -549,6 +588,131 @@ fn immediate_reuse_is_stream_ordered(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// Makes cache `name` an arena (`KeyPolicy::Arena`).
+fn arena(name: &str) {
+    gpucache::configure(
+        name,
+        CacheConfig {
+            key: gpucache::KeyPolicy::Arena,
+            ..CacheConfig::default()
+        },
+    );
+}
+
+fn arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone(dev: Device) -> TestResult {
+    let name = "cuda-arena";
+    arena(name);
+    let stream = current(dev);
+    let mut kept: Vec<(Array<f32>, f32)> = Vec::new();
+    let mut allocs_after_largest = None;
+    for (i, n) in [4096usize, 1000, 4096, 17, 300, 4096, 1]
+        .into_iter()
+        .enumerate()
+    {
+        let v = i as f32 + 1.0;
+        let _scope = enter(name);
+        // Dirty what the previous step left, then check that `zeros` zeroes it.
+        let z = Array::<f32>::zeros(dev, n)?;
+        assert!(z.to_vec()?.iter().all(|&x| x == 0.0), "step {i}: zeros");
+        let mut x = Array::<f32>::empty(dev, n)?;
+        fill(&stream, &mut x, v)?;
+        let mut y = Array::<f32>::empty(dev, [n, 2])?;
+        let (len, config) = (n as u32, cfg(n));
+        let mut launch = stream.launch_builder(&kernels(dev).affine);
+        launch
+            .arg(&mut y)
+            .arg(&x)
+            .arg(&2.0f32)
+            .arg(&1.0f32)
+            .arg(&len);
+        // SAFETY: `affine` takes (float*, const float*, float, float, unsigned) and touches the
+        // first `n` elements of y and x.
+        unsafe { launch.launch(config) }?;
+        let got = y.to_vec()?;
+        assert!(
+            got[..n].iter().all(|&e| e == 2.0 * v + 1.0),
+            "step {i}: kernel on views"
+        );
+        if caching() && i > 0 {
+            // From the second step on (the first grew into a block sized to it), one block:
+            // views at 256-byte aligned offsets, one after the other.
+            let up = |b: usize| b.div_ceil(256) as u64 * 256;
+            assert_eq!(addr(&x) % 256, 0);
+            assert_eq!(addr(&x), addr(&z) + up(4 * n), "step {i}");
+            assert_eq!(addr(&y), addr(&x) + up(4 * n), "step {i}");
+        }
+        if i == 2 || i == 4 {
+            kept.push((x, v)); // escapes the step: its block is never bumped from again
+        }
+        if i == 3 {
+            allocs_after_largest = Some(stats(name).device_allocs);
+        }
+    }
+    for (a, v) in &kept {
+        assert!(
+            a.to_vec()?.iter().all(|x| x == v),
+            "a later step wrote over an escaped array"
+        );
+    }
+    if caching() {
+        let s = stats(name);
+        assert!(s.hits > 0, "{s}");
+        // Steps 4..6 after the largest: new blocks only where an escaped array kept the old one.
+        assert!(
+            s.device_allocs <= allocs_after_largest.unwrap_or(0) + 2,
+            "{s}"
+        );
+    }
+    drop(kept);
+    gpucache::invalidate(name);
+    Ok(())
+}
+
+fn an_arena_block_is_reused_only_after_a_marked_stream(dev: Device) -> TestResult {
+    let name = "cuda-arena-xstream";
+    arena(name);
+    let main = current(dev);
+    let n = 1 << 16;
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+    let mut held = HeldCopy::new(dev, n)?;
+    // Size the block first.
+    drop(cache_step(name, || Array::<f32>::zeros(dev, n))?);
+    let x_addr;
+    {
+        let _scope = enter(name);
+        let x = Array::from_slice(dev, &host, n)?;
+        x_addr = addr(&x);
+        held.launch(&x)?;
+    } // the block's arrays are all dropped, but B still reads x
+    let launched = held.side.record_event(None)?;
+    {
+        let _scope = enter(name);
+        let y = Array::from_slice(dev, &vec![-1.0f32; n], n)?;
+        if !launched.is_complete() && caching() {
+            assert_ne!(
+                addr(&y),
+                x_addr,
+                "the block was reused while B still reads it"
+            );
+        }
+        main.synchronize()?;
+    }
+    held.release()?;
+    assert_eq!(
+        held.out.to_vec()?,
+        host,
+        "B read x's values, not what A wrote later"
+    );
+    gpucache::invalidate(name);
+    Ok(())
+}
+
+/// Runs `f` in a scope of `name`.
+fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
+    let _scope = enter(name);
+    f()
+}
+
 /// A test that needs a GPU, run on CUDA device 0.
 pub type GpuTest = fn(Device) -> TestResult;
 
@@ -557,6 +721,14 @@ pub const TESTS: &[(&str, GpuTest)] = &[
     (
         "trace_events_carry_the_stream",
         trace_events_carry_the_stream,
+    ),
+    (
+        "arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone",
+        arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
+    ),
+    (
+        "an_arena_block_is_reused_only_after_a_marked_stream",
+        an_arena_block_is_reused_only_after_a_marked_stream,
     ),
     (
         "kernels_write_cached_arrays_and_values_round_trip",

@@ -39,6 +39,18 @@ impl HostBuf {
         self.bytes
     }
 
+    /// A `HostBuf` for the `bytes` bytes at `offset`, which does not own them.
+    ///
+    /// # Safety
+    /// `offset + bytes <= self.bytes()` and `bytes > 0`; the result is never given to
+    /// [`CpuBackend`]'s free, and is used only while `self`'s allocation is alive.
+    #[inline]
+    pub(crate) unsafe fn view(&self, offset: usize, bytes: usize) -> HostBuf {
+        // SAFETY: `offset <= self.bytes`, so the pointer stays inside the allocation (caller).
+        let ptr = unsafe { self.ptr.add(offset) };
+        HostBuf { ptr, bytes }
+    }
+
     /// Sets the first `bytes <= self.bytes()` bytes to zero. Never fails (the `Result` matches
     /// the device backends').
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {

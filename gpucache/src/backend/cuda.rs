@@ -22,9 +22,10 @@
 //! Unmarked buffers never create an event.
 
 use std::cell::RefCell;
+use std::mem::{self, ManuallyDrop};
+use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock, OnceLock};
-use std::{mem, ptr};
 
 use std::sync::atomic::AtomicBool;
 
@@ -247,9 +248,11 @@ impl Backend for CudaBackend {
         }
         state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(bytes, Relaxed);
+        let base = raw_ptr(&slice);
         Ok(Storage::Cuda(Box::new(CudaBuf {
-            ptr: raw_ptr(&slice),
-            slice,
+            slice: ManuallyDrop::new(slice),
+            base,
+            view: false,
             stream,
             marked: Mutex::new(SmallVec::new()),
             events: Vec::new(),
@@ -281,9 +284,14 @@ impl Backend for CudaBackend {
 /// cross-stream uses declared with `Array::record_stream`.
 #[derive(Debug)]
 pub(crate) struct CudaBuf {
-    slice: CudaSlice<u8>,
-    /// The slice's device pointer, for uses that bypass cudarc's event tracking (graph capture).
-    ptr: CUdeviceptr,
+    /// Dropped in `Drop`: freed by cudarc, or leaked back for a view.
+    slice: ManuallyDrop<CudaSlice<u8>>,
+    /// The device address of the first byte, read without cudarc's event tracking (graph
+    /// capture uses it raw).
+    base: CUdeviceptr,
+    /// Whether this is a view of another buffer's memory (see [`CudaBuf::view`]), which it
+    /// must never free.
+    view: bool,
     /// The stream of the buffer's current (or last) owner.
     stream: Arc<CudaStream>,
     /// Other streams the current owner was used on (`Array::record_stream`), not yet recorded.
@@ -309,7 +317,7 @@ impl CudaBuf {
 
     /// The device pointer of the buffer.
     pub(crate) fn ptr(&self) -> &CUdeviceptr {
-        &self.ptr
+        &self.base
     }
 
     /// Clears `alive` when the current owner drops (see [`CudaBuf::end_use`]). Flags of graphs
@@ -318,6 +326,50 @@ impl CudaBuf {
         let mut watchers = self.watchers.lock();
         watchers.retain(|w| Arc::strong_count(w) > 1 && !Arc::ptr_eq(w, alive));
         watchers.push(Arc::clone(alive));
+    }
+
+    /// A view of the `bytes` bytes at `offset`, on this thread's current stream for the device:
+    /// a cudarc slice of its own (with its own read/write events), which is never freed.
+    ///
+    /// # Safety
+    /// `offset + bytes <= self.bytes()`, `bytes > 0`, and the memory stays allocated for as long
+    /// as the view lives.
+    pub(crate) unsafe fn view(&self, offset: usize, bytes: usize) -> Result<CudaBuf> {
+        let n = self.slice.ordinal();
+        let stream = current_stream(n, device_state(n)?);
+        let base = self.base + offset as CUdeviceptr;
+        // SAFETY: the range lies inside this buffer's allocation (caller), which outlives the
+        // view; the view's slice is leaked back, never freed, when it drops (`view: true`).
+        let slice = unsafe { stream.upgrade_device_ptr::<u8>(base, bytes) };
+        Ok(CudaBuf {
+            slice: ManuallyDrop::new(slice),
+            base,
+            view: true,
+            stream,
+            marked: Mutex::new(SmallVec::new()),
+            events: Vec::new(),
+            watchers: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A view's owner dropped: its marked streams, and its own stream if it is not the
+    /// parent's, become marks of `parent`, recorded when the parent's owner ends its use.
+    pub(crate) fn hand_marks_to(&mut self, parent: &CudaBuf) {
+        let own = parent.stream.cu_stream();
+        let mut marks = mem::take(self.marked.get_mut());
+        if self.stream.cu_stream() != own {
+            marks.push(Arc::clone(&self.stream));
+        }
+        if marks.is_empty() {
+            return;
+        }
+        let mut marked = parent.marked.lock();
+        for stream in marks {
+            let s = stream.cu_stream();
+            if s != own && !marked.iter().any(|m| m.cu_stream() == s) {
+                marked.push(stream);
+            }
+        }
     }
 
     /// cudarc's slice of the whole buffer.
@@ -425,7 +477,12 @@ impl CudaBuf {
             // exclusive borrow keeps alive and unaliased until the memset is queued; the memset
             // is ordered on the owner's stream like any use of the buffer.
             unsafe {
-                cudarc::driver::result::memset_d8_async(self.ptr, 0, bytes, self.stream.cu_stream())
+                cudarc::driver::result::memset_d8_async(
+                    self.base,
+                    0,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
             }?;
             return Ok(());
         }
@@ -469,6 +526,13 @@ impl Drop for CudaBuf {
     /// cudarc frees the slice on the stream it was allocated on, after its tracked reads and
     /// writes. Order that free after the owner's stream and the marked streams too.
     fn drop(&mut self) {
+        if self.view {
+            // SAFETY: `slice` is taken once, here, and `self` is not used after.
+            let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+            // Not ours to free: cudarc waits for the view's events and forgets the pointer.
+            slice.leak();
+            return;
+        }
         self.end_use();
         let free_stream = Arc::clone(self.slice.stream());
         let ctx = free_stream.context();
@@ -481,5 +545,7 @@ impl Drop for CudaBuf {
             ctx.record_err::<()>(Err(e));
             ctx.record_err(self.stream.synchronize());
         }
+        // SAFETY: `slice` is taken once, here, and `self` is not used after.
+        drop(unsafe { ManuallyDrop::take(&mut self.slice) });
     }
 }

@@ -19,6 +19,7 @@ pub(crate) mod cuda;
 use std::cell::RefCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 
@@ -82,10 +83,29 @@ impl Storage {
 
 /// A block of device memory: a [`Storage`] and the backend that owns it. Dropping a block gives
 /// its memory back to that backend.
+///
+/// A block may also be a *view*: a sub-range of another block (its *parent*), which it does not
+/// own. Dropping a view frees nothing; whoever made it keeps the parent alive, unmoved, for as
+/// long as the view lives (see [`Block::view`]).
 pub(crate) struct Block {
     storage: ManuallyDrop<Storage>,
-    backend: Arc<dyn Backend>,
+    owner: Owner,
 }
+
+/// Who a block's memory belongs to.
+enum Owner {
+    /// The backend that allocated it, which frees it when the block drops.
+    Backend(Arc<dyn Backend>),
+    /// The parent block this view is a sub-range of.
+    Parent(NonNull<Block>),
+}
+
+// SAFETY: `Owner::Parent` is a pointer to a `Block` (which is `Send + Sync`: its storage and
+// backend are), used only through `&Block` methods that are safe from any thread; the maker of
+// the view keeps the parent alive (see `Block::view`).
+unsafe impl Send for Owner {}
+// SAFETY: as above; `&Owner` gives nothing but the pointer.
+unsafe impl Sync for Owner {}
 
 impl Block {
     /// Allocates a block of `bytes` on `device` from `backend`.
@@ -98,8 +118,47 @@ impl Block {
         let storage = backend.alloc(device, bytes, zeroed)?;
         Ok(Block {
             storage: ManuallyDrop::new(storage),
-            backend: Arc::clone(backend),
+            owner: Owner::Backend(Arc::clone(backend)),
         })
+    }
+
+    /// A view of the `bytes` bytes of `parent` that start at `offset`, made on this thread's
+    /// current stream for its device (device memory).
+    ///
+    /// # Safety
+    /// `offset + bytes <= parent.bytes()`, `bytes > 0`, `parent` is not a view itself, and it
+    /// stays alive and unmoved, and nothing takes `&mut` to it, for as long as the view lives.
+    #[inline]
+    pub(crate) unsafe fn view(
+        parent: NonNull<Block>,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<Block> {
+        // SAFETY: the caller keeps `parent` alive and shared for as long as the view lives.
+        let p = unsafe { parent.as_ref() };
+        debug_assert!(offset + bytes <= p.bytes() && matches!(p.owner, Owner::Backend(_)));
+        let storage = match &*p.storage {
+            // SAFETY: the range is inside the parent's allocation (caller), so the pointer stays
+            // in bounds and non-null.
+            Storage::Host(h) => Storage::Host(unsafe { h.view(offset, bytes) }),
+            // SAFETY: as above; the view never frees the memory (it is leaked back on drop).
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Storage::Cuda(Box::new(unsafe { c.view(offset, bytes) }?)),
+        };
+        Ok(Block {
+            storage: ManuallyDrop::new(storage),
+            owner: Owner::Parent(parent),
+        })
+    }
+
+    /// The pointer this view was made from (`None` for a block that is not a view): its maker
+    /// may cast it back to what it pointed into.
+    #[inline]
+    pub(crate) fn parent_ptr(&self) -> Option<NonNull<Block>> {
+        match self.owner {
+            Owner::Backend(_) => None,
+            Owner::Parent(p) => Some(p),
+        }
     }
 
     /// The capacity in bytes.
@@ -176,11 +235,23 @@ impl Block {
     /// The block's array dropped: device backends record events for the work queued so far
     /// on the streams the array was marked as used on (so [`Block::is_idle`] can tell when it
     /// is done). Nothing to do for host memory.
+    ///
+    /// For a view, the marks and the view's own stream go to the parent instead, whose events
+    /// are recorded when the parent's owner ends its use ([`Block::end_use`] on the parent).
     pub(crate) fn end_use(&mut self) {
         match &mut *self.storage {
             Storage::Host(_) => {}
             #[cfg(feature = "cuda")]
-            Storage::Cuda(c) => c.end_use(),
+            Storage::Cuda(c) => match self.owner {
+                Owner::Backend(_) => c.end_use(),
+                Owner::Parent(p) => {
+                    // SAFETY: the maker of the view keeps the parent alive and shared.
+                    let parent = unsafe { p.as_ref() };
+                    if let Some(parent) = parent.cuda() {
+                        c.hand_marks_to(parent);
+                    }
+                }
+            },
         }
     }
 
@@ -230,7 +301,12 @@ impl Drop for Block {
     fn drop(&mut self) {
         // SAFETY: `storage` is taken exactly once, here, and `self` is never used again.
         let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
-        self.backend.free(storage.device(), storage);
+        match &self.owner {
+            Owner::Backend(backend) => backend.free(storage.device(), storage),
+            // A view owns no memory: `storage` just goes out of scope (a CUDA view leaks its
+            // slice back when it drops).
+            Owner::Parent(_) => {}
+        }
     }
 }
 

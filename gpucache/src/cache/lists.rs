@@ -8,6 +8,7 @@ use std::mem;
 use hashbrown::HashTable;
 
 use super::Request;
+use super::arena::DeviceArena;
 use super::key::{Entry, Key, KeyRef};
 use crate::Device;
 use crate::backend::Block;
@@ -54,8 +55,10 @@ pub(super) struct Inner {
     clock: u64,
     /// Rebuild `lru` when it grows past this (it holds stale entries for buffers since taken).
     lru_limit: usize,
-    /// Blocks handed to arrays and not yet back.
+    /// Blocks handed to arrays and not yet back (for an arena cache: retired blocks).
     pub(super) live: usize,
+    /// The arenas of an arena cache, one per device.
+    pub(super) arenas: Vec<DeviceArena>,
 }
 
 impl Inner {
@@ -73,6 +76,7 @@ impl Inner {
             clock: 0,
             lru_limit: 0,
             live: 0,
+            arenas: Vec::new(),
         }
     }
 
@@ -85,7 +89,8 @@ impl Inner {
                 device: req.device,
                 dims: req.dims,
             },
-            KeyPolicy::SizeClass => KeyRef::Class {
+            // Arena caches bump instead of looking keys up; this key is never used.
+            KeyPolicy::SizeClass | KeyPolicy::Arena => KeyRef::Class {
                 bytes: self.config.key.capacity(req.bytes),
                 device: req.device,
             },
@@ -209,6 +214,12 @@ impl Inner {
         self.evict(st);
     }
 
+    /// Gives a block of gauge `g` that has no free list (an arena block) back to the device.
+    pub(super) fn free_gauge(&mut self, st: &Counters, g: u8, block: Block) {
+        st.freed(g, block.bytes());
+        drop(block);
+    }
+
     /// Gives a block of free list `slot` back to the device.
     pub(super) fn free(&mut self, st: &Counters, slot: u32, block: Block) {
         st.freed(self.gauge(slot), block.bytes());
@@ -235,6 +246,9 @@ impl Inner {
         // Keep the capacity for the next step.
         self.pending = pending;
         self.poll_deferred(st);
+        if !self.arenas.is_empty() {
+            self.end_step(st);
+        }
     }
 
     /// Frees the buffers (on `device`, or all) dropped during an active scope and those
@@ -272,10 +286,12 @@ impl Inner {
     }
 
     /// Frees what the cache holds on `device` (or all devices) that no array owns and no scope
-    /// needs: the free lists, the deferred buffers and, with `pending`, the buffers dropped
-    /// inside the active scope.
+    /// needs: the free lists, the deferred buffers, spare arena blocks and, with `pending` (no
+    /// scope active, or out-of-memory recovery), the buffers dropped inside the active scope
+    /// and the arena blocks whose arrays have all dropped.
     pub(super) fn give_back(&mut self, st: &Counters, device: Option<Device>, pending: bool) {
         self.flush(st, device);
+        self.release_arenas(st, device, pending, false);
         let kept = if pending {
             Vec::new()
         } else {
@@ -290,6 +306,7 @@ impl Inner {
     pub(super) fn invalidate(&mut self, st: &Counters) {
         self.flush(st, None);
         self.free_waiting(st, None);
+        self.release_arenas(st, None, true, true);
         self.lru.clear();
         self.generation = self.generation.wrapping_add(1);
         add(&st.invalidations, 1);
@@ -311,6 +328,7 @@ impl Inner {
         self.config = config;
         self.rebuild_lru();
         self.evict(st);
+        self.evict_spares(st, config.max_cached_bytes);
     }
 
     /// Frees the least recently freed buffers until the cache is within its byte cap.

@@ -37,6 +37,7 @@
 //! those arrays to drop releases (a biased reference count: the owner counts without atomics,
 //! other threads count under the `remote` mutex once the cell is closed).
 
+mod arena;
 mod key;
 mod lists;
 mod remote;
@@ -52,11 +53,12 @@ use parking_lot::RawMutex;
 use parking_lot::lock_api::RawMutex as _;
 
 use crate::backend::Block;
-use crate::config::CacheConfig;
+use crate::config::{CacheConfig, KeyPolicy};
 use crate::stats::{CacheStats, Counters, DeviceBytes, add};
 use crate::trace::{self, EventKind};
 use crate::{DType, Device};
 
+use arena::{ARENA, Grow};
 use lists::Inner;
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, release_remote};
@@ -104,6 +106,9 @@ pub(crate) struct Request<'a> {
 /// Invariant: while a `Home` exists, the block it came with is counted in its cell's `live`
 /// (or, once the cell is closed, in `orphans`), so the cell is alive.
 ///
+/// An arena array's `Home` has `slot` [`ARENA`](arena::ARENA), and its block is a view of an
+/// arena block, which is the cell's or counted in `live` (see the `arena` module).
+///
 /// Free lists are never removed or renumbered (invalidation empties them), so `slot` always
 /// names the free list of this block's key, and a generation that wrapped around could at worst
 /// cache a buffer that should have been freed.
@@ -125,10 +130,13 @@ unsafe impl Sync for Home {}
 pub(crate) enum Take {
     /// A recycled buffer, now busy.
     Hit(Block, Home),
-    /// None free: allocate a buffer of this capacity and [`CacheCell::adopt`] it.
-    Miss { capacity: usize },
-    /// The cache cannot take more keys (2^32 of them): allocate without it.
+    /// None free: allocate a buffer of this capacity (zeroed if `zeroed`) and
+    /// [`CacheCell::adopt`] it.
+    Miss { capacity: usize, zeroed: bool },
+    /// The cache cannot take more keys (2^32 of them) or devices: allocate without it.
     Bypass,
+    /// Preparing a recycled buffer failed.
+    Failed(crate::Error),
 }
 
 /// One named cache of one thread.
@@ -358,8 +366,9 @@ impl CacheCell {
         if requests.invalidate {
             inner.invalidate(&self.stats);
         }
+        // Requests are served with no scope of the cache active.
         for device in requests.flush {
-            inner.give_back(&self.stats, device, false);
+            inner.give_back(&self.stats, device, true);
         }
     }
 
@@ -441,9 +450,20 @@ impl CacheCell {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
         let inner = unsafe { self.locked() };
+        if inner.config.key == KeyPolicy::Arena {
+            return self.hit_arena(inner, req);
+        }
         let slot = inner.find(inner.key(req))?;
         let block = inner.pop(&self.stats, slot)?;
         Some((block, self.home(slot, inner.generation)))
+    }
+
+    /// The hit path of an arena cache: a bump. Kept out of line, so that the free-list hit
+    /// stays as small as it was.
+    #[inline(never)]
+    fn hit_arena(&self, inner: &mut Inner, req: &Request<'_>) -> Option<(Block, Home)> {
+        let view = inner.bump(&self.stats, req)?.ok()?;
+        Some((view, self.home(ARENA, inner.generation)))
     }
 
     /// After [`CacheCell::hit`] found nothing: takes in the buffers other threads returned and
@@ -454,6 +474,22 @@ impl CacheCell {
         let inner = unsafe { self.locked() };
         self.drain_returned(inner, true);
         inner.poll_deferred(&self.stats);
+        if inner.config.key == KeyPolicy::Arena {
+            let home = self.home(ARENA, inner.generation);
+            let got = match inner.bump(&self.stats, req) {
+                Some(got) => Ok(got),
+                None => inner.bump_slow(&self.stats, req),
+            };
+            return match got {
+                Ok(Ok(view)) => Take::Hit(view, home),
+                Ok(Err(e)) => Take::Failed(e),
+                Err(Grow::Alloc(capacity)) => Take::Miss {
+                    capacity,
+                    zeroed: true,
+                },
+                Err(Grow::Bypass) => Take::Bypass,
+            };
+        }
         match inner.slot_of(&self.stats, req) {
             None => Take::Bypass,
             Some(slot) => match inner.pop(&self.stats, slot) {
@@ -465,15 +501,30 @@ impl CacheCell {
                 }
                 None => Take::Miss {
                     capacity: inner.config.key.capacity(req.bytes),
+                    zeroed: false,
                 },
             },
         }
     }
 
-    /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`].
-    pub(crate) fn adopt(&self, req: &Request<'_>, block: &Block) -> Option<Home> {
+    /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`]. Returns what the
+    /// array gets (the block, or for an arena cache a view of it), its home, and whether it is a
+    /// view (which the array prepares as a recycled buffer).
+    pub(crate) fn adopt(
+        &self,
+        req: &Request<'_>,
+        block: Block,
+    ) -> crate::Result<(Block, Option<Home>, bool)> {
         self.owned(|inner, st| {
-            let slot = inner.slot_of(st, req)?;
+            if inner.config.key == KeyPolicy::Arena {
+                return match inner.adopt_block(st, req, block) {
+                    Ok(view) => Ok((view?, Some(self.home(ARENA, inner.generation)), true)),
+                    Err(block) => Ok((block, None, false)),
+                };
+            }
+            let Some(slot) = inner.slot_of(st, req) else {
+                return Ok((block, None, false));
+            };
             inner.live += 1;
             add(&st.misses, 1);
             st.allocated(inner.slots[slot as usize].gauge, block.bytes());
@@ -487,9 +538,9 @@ impl CacheCell {
                 "cache miss: allocated from the device"
             );
             if trace::on() {
-                inner.note_block(st, EventKind::Miss, slot, block);
+                inner.note_block(st, EventKind::Miss, slot, &block);
             }
-            Some(self.home(slot, inner.generation))
+            Ok((block, Some(self.home(slot, inner.generation)), false))
         })
     }
 
@@ -506,9 +557,10 @@ impl CacheCell {
     /// `pending`, also the buffers dropped inside the active scope and not yet free (what
     /// out-of-memory recovery may take back from its own thread).
     pub(crate) fn give_back_owned(&self, device: Option<Device>, pending: bool) {
+        let active = self.is_active();
         self.owned(|inner, st| {
-            self.drain_returned(inner, self.is_active());
-            inner.give_back(st, device, pending);
+            self.drain_returned(inner, active);
+            inner.give_back(st, device, pending || !active);
         });
     }
 
@@ -550,6 +602,7 @@ impl CacheCell {
         self.owned(|inner, st| {
             inner.flush(st, None);
             inner.free_waiting(st, None);
+            inner.release_arenas(st, None, true, true);
             let mut remote = self.remote.state.lock();
             for (g, bytes) in remote.released.drain(..) {
                 inner.live -= 1;
@@ -557,7 +610,14 @@ impl CacheCell {
             }
             for r in remote.queue.drain(..) {
                 inner.live -= 1;
-                inner.free(st, r.slot, r.block);
+                if r.slot == ARENA {
+                    // An arena block: it has no free list, but a gauge for its device.
+                    if let Some(g) = st.find_gauge(r.block.device()) {
+                        inner.free_gauge(st, g, r.block);
+                    }
+                } else {
+                    inner.free(st, r.slot, r.block);
+                }
             }
             remote.closed = true;
             remote.orphans = inner.live;
@@ -577,6 +637,9 @@ impl CacheCell {
 /// back, with no check of the thread and no lock.
 #[inline]
 pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
+    if home.slot == ARENA {
+        return CacheCell::release_view(home, block, current);
+    }
     // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
     // have been freed (the remote path drops its last use before releasing the keep-alive).
     let cell = unsafe { home.cell.as_ref() };

@@ -11,13 +11,15 @@ use std::sync::atomic::{AtomicBool, Ordering::*};
 
 use parking_lot::Mutex;
 
+use super::arena::ARENA;
 use super::lists::Inner;
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::CacheConfig;
 
-/// A buffer returned by another thread, waiting for the owner.
+/// A buffer returned by another thread, waiting for the owner (`slot` [`ARENA`]: a retired arena
+/// block whose last array dropped).
 pub(super) struct Returned {
     pub(super) block: Block,
     pub(super) slot: u32,
@@ -92,7 +94,9 @@ impl CacheCell {
         }
         let traced = crate::trace::on();
         for r in returned {
-            if traced {
+            if r.slot == ARENA {
+                inner.take_back(&self.stats, r.block, r.generation);
+            } else if traced {
                 inner.release_traced(&self.stats, active, r.slot, r.generation, r.block);
             } else {
                 inner.release(&self.stats, active, r.slot, r.generation, r.block);

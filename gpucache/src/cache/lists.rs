@@ -81,7 +81,7 @@ impl Inner {
     }
 
     /// The key of `req` under this cache's policy.
-    #[inline]
+    #[inline(always)]
     pub(super) fn key<'a>(&self, req: &Request<'a>) -> KeyRef<'a> {
         match self.config.key {
             KeyPolicy::Exact => KeyRef::Exact {
@@ -98,7 +98,7 @@ impl Inner {
     }
 
     /// The free list of `key`, if it has one.
-    #[inline]
+    #[inline(always)]
     pub(super) fn find(&self, key: KeyRef<'_>) -> Option<u32> {
         let hash = key.hash();
         self.keys

@@ -39,7 +39,7 @@ use std::time::Instant;
 use gpucache::cache_scope; // the block macro; the prelude brings the attribute
 use gpucache::nccl::{Comm, ReduceOp, UniqueId};
 use gpucache::prelude::*;
-use mlp::{Cached, Dims, Gpu, Mlp, Result, median, mib};
+use mlp::{Cached, Dims, Gpu, Grad, Mlp, Result, median, mib};
 
 /// The model and the global batch, split over the GPUs.
 const GLOBAL: Dims = Dims {
@@ -98,15 +98,21 @@ type Batch = (Array<f32>, Array<f32>);
 /// One data-parallel step: this rank's gradients, averaged over the ranks, applied.
 fn ddp_step(r: &Rank, model: &mut Mlp, (x, y): &Batch, loss: &mut Array<f32>) -> Result<()> {
     let mut grads = model.gradients(&Cached(r.gpu.dev), &r.gpu, x, y, loss)?;
-    // One NCCL group: the four all-reduces are launched together.
+    average(r, &mut grads)?;
+    model.update(&r.gpu, &grads, LEARNING_RATE)
+}
+
+/// Averages each layer's gradients over the ranks, in place: one NCCL group, so that the
+/// all-reduces are launched together.
+fn average(r: &Rank, grads: &mut [Grad<Array<f32>>]) -> Result<()> {
     gpucache::nccl::group(|| {
-        for g in &mut grads {
+        for g in grads.iter_mut() {
             r.comm.all_reduce(&mut g.w, ReduceOp::Avg)?;
             r.comm.all_reduce(&mut g.b, ReduceOp::Avg)?;
         }
         Ok(())
     })?;
-    model.update(&r.gpu, &grads, LEARNING_RATE)
+    Ok(())
 }
 
 /// [`ddp_step`] in the `ddp_step` scope: its activations and gradients are recycled.
@@ -298,13 +304,7 @@ fn first_step_gradients(
     let alloc = Cached(r.gpu.dev);
     let mut loss = Array::<f32>::zeros(r.gpu.dev, 1)?;
     let mut grads = model.gradients(&alloc, &r.gpu, x, y, &mut loss)?;
-    gpucache::nccl::group(|| {
-        for g in &mut grads {
-            r.comm.all_reduce(&mut g.w, ReduceOp::Avg)?;
-            r.comm.all_reduce(&mut g.b, ReduceOp::Avg)?;
-        }
-        Ok(())
-    })?;
+    average(r, &mut grads)?;
     let Some((single, (gx, gy))) = reference else {
         return Ok(());
     };

@@ -422,7 +422,8 @@ impl CudaBuf {
             }
         }
         let marked = self.marked.get_mut();
-        if marked.is_empty() {
+        if marked.is_empty() || self.view {
+            // A view's marks go to the buffer it is a view of (`hand_marks_to`).
             return;
         }
         for stream in marked.drain(..) {

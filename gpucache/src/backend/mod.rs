@@ -19,7 +19,6 @@ pub(crate) mod cuda;
 use std::cell::RefCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 
@@ -84,28 +83,20 @@ impl Storage {
 /// A block of device memory: a [`Storage`] and the backend that owns it. Dropping a block gives
 /// its memory back to that backend.
 ///
-/// A block may also be a *view*: a sub-range of another block (its *parent*), which it does not
-/// own. Dropping a view frees nothing; whoever made it keeps the parent alive, unmoved, for as
-/// long as the view lives (see [`Block::view`]).
+/// A block may also be a *view*: a sub-range of another block, made by [`Block::view`] for an
+/// arena cache. A view's backend is the arena block it was cut from, which counts its views
+/// itself (without atomics): a view holds no count of that `Arc`, and is given back with
+/// [`Block::drop_view`], not dropped. Nothing else tells views apart, so the paths that move
+/// blocks of free lists around never test for them.
 pub(crate) struct Block {
     storage: ManuallyDrop<Storage>,
-    owner: Owner,
+    backend: Arc<dyn Backend>,
 }
 
-/// Who a block's memory belongs to.
-enum Owner {
-    /// The backend that allocated it, which frees it when the block drops.
-    Backend(Arc<dyn Backend>),
-    /// The parent block this view is a sub-range of.
-    Parent(NonNull<Block>),
-}
-
-// SAFETY: `Owner::Parent` is a pointer to a `Block` (which is `Send + Sync`: its storage and
-// backend are), used only through `&Block` methods that are safe from any thread; the maker of
-// the view keeps the parent alive (see `Block::view`).
-unsafe impl Send for Owner {}
-// SAFETY: as above; `&Owner` gives nothing but the pointer.
-unsafe impl Sync for Owner {}
+// Blocks are moved on every hit and release, and arrays and homes with them: their sizes are
+// part of the hit path's cost, so a change that grows them must show up here.
+const _: () = assert!(std::mem::size_of::<Block>() == 32);
+const _: () = assert!(std::mem::size_of::<Option<Block>>() == 32);
 
 impl Block {
     /// Allocates a block of `bytes` on `device` from `backend`.
@@ -118,47 +109,62 @@ impl Block {
         let storage = backend.alloc(device, bytes, zeroed)?;
         Ok(Block {
             storage: ManuallyDrop::new(storage),
-            owner: Owner::Backend(Arc::clone(backend)),
+            backend: Arc::clone(backend),
         })
     }
 
-    /// A view of the `bytes` bytes of `parent` that start at `offset`, made on this thread's
-    /// current stream for its device (device memory).
+    /// A view of the `bytes` bytes of this block that start at `offset`, whose backend is
+    /// `owner` (device memory: made on this thread's current stream for the device, with cudarc
+    /// events of its own, and never freed by cudarc).
     ///
     /// # Safety
-    /// `offset + bytes <= parent.bytes()`, `bytes > 0`, `parent` is not a view itself, and it
-    /// stays alive and unmoved, and nothing takes `&mut` to it, for as long as the view lives.
+    /// `offset + bytes <= self.bytes()` and `bytes > 0`; `owner` is the pointer
+    /// [`Arc::into_raw`] gave for an `Arc` that stays alive, as do this block and its memory,
+    /// unmoved and unwritten through `self`, for as long as the view lives; the view is given
+    /// back with [`Block::drop_view`] (if it is dropped instead, `owner`'s `free` must add the
+    /// count that the drop takes off).
     #[inline]
     pub(crate) unsafe fn view(
-        parent: NonNull<Block>,
+        &self,
+        owner: *const dyn Backend,
         offset: usize,
         bytes: usize,
     ) -> Result<Block> {
-        // SAFETY: the caller keeps `parent` alive and shared for as long as the view lives.
-        let p = unsafe { parent.as_ref() };
-        debug_assert!(offset + bytes <= p.bytes() && matches!(p.owner, Owner::Backend(_)));
-        let storage = match &*p.storage {
-            // SAFETY: the range is inside the parent's allocation (caller), so the pointer stays
-            // in bounds and non-null.
+        debug_assert!(offset + bytes <= self.bytes() && bytes > 0);
+        let storage = match &*self.storage {
+            // SAFETY: the range is inside this block's allocation (caller), so the pointer stays
+            // in bounds and non-null; the view's backend never frees it.
             Storage::Host(h) => Storage::Host(unsafe { h.view(offset, bytes) }),
-            // SAFETY: as above; the view never frees the memory (it is leaked back on drop).
+            // SAFETY: as above; a CUDA view leaks its slice back when it drops.
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => Storage::Cuda(Box::new(unsafe { c.view(offset, bytes) }?)),
         };
+        // SAFETY: `owner` came from `Arc::into_raw` of an `Arc` that outlives the view (caller).
+        // The new `Arc` holds no count: `drop_view` forgets it, and a drop balances it (caller).
+        let backend = unsafe { Arc::from_raw(owner) };
         Ok(Block {
             storage: ManuallyDrop::new(storage),
-            owner: Owner::Parent(parent),
+            backend,
         })
     }
 
-    /// The pointer this view was made from (`None` for a block that is not a view): its maker
-    /// may cast it back to what it pointed into.
+    /// Drops a view without a call to its backend.
+    ///
+    /// # Safety
+    /// `self` was made by [`Block::view`].
     #[inline]
-    pub(crate) fn parent_ptr(&self) -> Option<NonNull<Block>> {
-        match self.owner {
-            Owner::Backend(_) => None,
-            Owner::Parent(p) => Some(p),
-        }
+    pub(crate) unsafe fn drop_view(self) {
+        let mut view = ManuallyDrop::new(self);
+        // SAFETY: taken once, and `view` is never dropped: its backend, which holds no count
+        // (caller), is forgotten.
+        drop(unsafe { ManuallyDrop::take(&mut view.storage) });
+    }
+
+    /// The backend, as the pointer [`Arc::as_ptr`] gives: for a view, its owner as passed to
+    /// [`Block::view`].
+    #[inline]
+    pub(crate) fn backend_ptr(&self) -> *const dyn Backend {
+        Arc::as_ptr(&self.backend)
     }
 
     /// The capacity in bytes.
@@ -235,23 +241,11 @@ impl Block {
     /// The block's array dropped: device backends record events for the work queued so far
     /// on the streams the array was marked as used on (so [`Block::is_idle`] can tell when it
     /// is done). Nothing to do for host memory.
-    ///
-    /// For a view, the marks and the view's own stream go to the parent instead, whose events
-    /// are recorded when the parent's owner ends its use ([`Block::end_use`] on the parent).
     pub(crate) fn end_use(&mut self) {
         match &mut *self.storage {
             Storage::Host(_) => {}
             #[cfg(feature = "cuda")]
-            Storage::Cuda(c) => match self.owner {
-                Owner::Backend(_) => c.end_use(),
-                Owner::Parent(p) => {
-                    // SAFETY: the maker of the view keeps the parent alive and shared.
-                    let parent = unsafe { p.as_ref() };
-                    if let Some(parent) = parent.cuda() {
-                        c.hand_marks_to(parent);
-                    }
-                }
-            },
+            Storage::Cuda(c) => c.end_use(),
         }
     }
 
@@ -301,12 +295,7 @@ impl Drop for Block {
     fn drop(&mut self) {
         // SAFETY: `storage` is taken exactly once, here, and `self` is never used again.
         let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
-        match &self.owner {
-            Owner::Backend(backend) => backend.free(storage.device(), storage),
-            // A view owns no memory: `storage` just goes out of scope (a CUDA view leaks its
-            // slice back when it drops).
-            Owner::Parent(_) => {}
-        }
+        self.backend.free(storage.device(), storage);
     }
 }
 

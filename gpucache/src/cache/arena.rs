@@ -2,14 +2,26 @@
 //! bump-allocated from one block per device, and all of them become free together when the
 //! scope's outermost entry exits.
 //!
+//! # Off the free-list paths
+//!
+//! An arena cache sets the [`ARENA`](super::ARENA) flag of its cell, so it is never
+//! [plain](CacheCell::is_plain): the free-list hit, the release of a dropped array on the owner
+//! thread and the scope exit all test that one byte anyway (for closed and traced caches), and
+//! send an arena cache to their slow paths, which serve it here: a bump in [`CacheCell::take`],
+//! the drop of a view in [`CacheCell::release_view`], the end of a step in
+//! [`CacheCell::exit_slow`]. Nothing on the paths of other caches tests for arenas or views.
+//! The flag stays set while arrays of an arena may be alive (after a change of key policy),
+//! so that a view always finds its way back here.
+//!
 //! # Blocks and their arrays
 //!
-//! An [`ArenaBlock`] is a heap object holding one device allocation. Arrays get *views* of it
-//! ([`Block::view`]) whose [`Home`](super::Home) names the arena (`slot` [`ARENA`]); the view
-//! points at the block, so a view never outlives it (see below). A block is either the cache's
-//! (the block bumped from, the *extra* blocks of a step that overflowed, or a spare) or, once a
-//! scope exited while arrays of it were alive, *retired*: owned by those arrays, and handed back
-//! by the last of them to drop.
+//! An [`ArenaBlock`] holds one device allocation, in an `Arc` allocation of its own. Arrays get
+//! *views* of it ([`Block::view`]) whose [`Home`] names the arena (`slot` [`VIEW_SLOT`]) and whose
+//! backend is the arena block: it frees nothing when a view drops, and the view holds no count
+//! of its `Arc` (see [`Block::view`]). A block is either the cache's (the block bumped from,
+//! the *extra* blocks of a step that overflowed, or a spare) or, once a scope exited while
+//! arrays of it were alive, *retired*: owned by those arrays, and handed back by the last of them
+//! to drop.
 //!
 //! Views are counted with a biased count, so that a bump and a drop on the owner thread touch no
 //! atomic read-modify-write: `local` (views made minus views dropped on the owner thread) is
@@ -20,24 +32,31 @@
 //! (or to the device once the cache is closed), like any returned buffer. A retired block counts
 //! as one buffer in the cell's `live`, which keeps the cell alive for it.
 //!
-//! # Stats
+//! # Stats and recorded events
 //!
 //! A bump is a hit, and a bump that needs a new block a miss (the block is one device
 //! allocation). The bytes of a block not yet bumped from, and whole blocks that no array uses
-//! (spares, and the block between steps), count as cached; the rest as in use.
+//! (spares, and the block between steps), count as cached; the rest as in use. While recording
+//! ([`crate::trace`]), a bump is recorded as a hit and a new block as a miss, with the array's
+//! bytes and address; the drop of an arena array is not recorded (its bytes come back when the
+//! scope exits, which is recorded with the cache's bytes).
 
+use std::fmt;
 use std::mem;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering::*};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering::*};
 
 use super::lists::Inner;
-use super::{CacheCell, Home, Request};
-use crate::backend::Block;
+use super::{ARENA, CacheCell, Home, Request, Take};
+use crate::backend::{self, AllocError, Backend, Block, Storage};
+use crate::config::{CacheConfig, KeyPolicy};
 use crate::stats::{Counters, add, sub};
-use crate::{Device, Result};
+use crate::trace::{self, EventKind, Note};
+use crate::{Device, DeviceStats, Result};
 
 /// The `slot` of the [`Home`] of every arena array.
-pub(super) const ARENA: u32 = u32::MAX;
+pub(super) const VIEW_SLOT: u32 = u32::MAX;
 
 /// Arrays start at multiples of this many bytes in their block (as `cudaMalloc` aligns).
 pub(crate) const ALIGN: usize = 256;
@@ -48,11 +67,8 @@ fn aligned(bytes: usize) -> Option<usize> {
     bytes.checked_next_multiple_of(ALIGN)
 }
 
-/// One block of an arena cache and the count of arrays bumped from it.
-///
-/// `block` is first, and the struct `repr(C)`, so that the views' parent pointer (made from a
-/// pointer to the whole `ArenaBlock`) leads back to it.
-#[repr(C)]
+/// One block of an arena cache and the count of arrays bumped from it; the backend of its
+/// views.
 pub(super) struct ArenaBlock {
     block: Block,
     /// Views made minus views dropped on the owner thread, until retired (lock holder only).
@@ -63,45 +79,94 @@ pub(super) struct ArenaBlock {
     retired: AtomicBool,
     /// The cache's generation when the block was made.
     generation: u32,
+    /// The pointer `Arc::into_raw` gave for this block (set once, when it is made).
+    this: AtomicPtr<ArenaBlock>,
 }
 
-/// A pointer to an [`ArenaBlock`] on the heap (made by [`ArenaBlock::new`], freed by
-/// [`ArenaBlock::into_block`]).
+impl fmt::Debug for ArenaBlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ArenaBlock")
+            .field("block", &self.block)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The arena block as the backend of its views, which hold no count of its `Arc`: they are given
+/// back with [`Block::drop_view`] by [`CacheCell::release_view`]. `free` is called only if a view
+/// is dropped instead, which no path does: it frees nothing (a CUDA view leaks its slice back)
+/// and adds the count that the drop of the view's `Arc` takes off, so that the block stays
+/// alive (its view count never reaches zero: it is kept, never freed twice).
+impl Backend for ArenaBlock {
+    fn alloc(&self, _: Device, _: usize, _: bool) -> Result<Storage, AllocError> {
+        // Never called: views are made by `Block::view`, not allocated.
+        Err(AllocError::OutOfMemory)
+    }
+
+    fn free(&self, _: Device, storage: Storage) {
+        debug_assert!(
+            false,
+            "an arena array's buffer was dropped without its arena"
+        );
+        drop(storage);
+        // SAFETY: `this` came from `Arc::into_raw`, and the `Arc` is alive: the view being
+        // dropped points at it.
+        unsafe { Arc::increment_strong_count(self.this.load(Relaxed)) };
+    }
+
+    fn stats(&self, _: Device) -> DeviceStats {
+        DeviceStats::default()
+    }
+}
+
+/// A pointer to an [`ArenaBlock`] in its `Arc` (made by [`ArenaBlock::new`], which gives the
+/// pointer the one count of the `Arc`; taken back by [`ArenaBlock::into_block`]).
 type BlockPtr = NonNull<ArenaBlock>;
 
 impl ArenaBlock {
     fn new(block: Block, generation: u32) -> BlockPtr {
-        let boxed = Box::new(ArenaBlock {
+        let arena = Arc::new(ArenaBlock {
             block,
             local: AtomicUsize::new(0),
             shared: AtomicIsize::new(0),
             retired: AtomicBool::new(false),
             generation,
+            this: AtomicPtr::new(std::ptr::null_mut()),
         });
-        NonNull::from(Box::leak(boxed))
+        let this = Arc::into_raw(arena).cast_mut();
+        // SAFETY: `Arc::into_raw` gives a valid pointer, never null.
+        let this = unsafe { NonNull::new_unchecked(this) };
+        // SAFETY: as above; no view exists yet.
+        unsafe { this.as_ref() }.this.store(this.as_ptr(), Relaxed);
+        this
     }
 
-    /// The arena block a view of it points at.
-    ///
-    /// # Safety
-    /// `view` was made from an [`ArenaBlock`] by [`bump`](Inner::bump) and is still alive.
-    unsafe fn of_view(view: &Block) -> Option<BlockPtr> {
-        // `block` is the first field of the `repr(C)` `ArenaBlock` the pointer was made from,
-        // with that allocation's provenance.
-        Some(view.parent_ptr()?.cast::<ArenaBlock>())
-    }
-
-    /// Takes the block back from the heap, ending the use of the views (their streams' events
+    /// Takes the block back from its `Arc`, ending the use of the views (their streams' events
     /// are recorded on device memory).
     ///
     /// # Safety
     /// `this` came from [`ArenaBlock::new`], no view of it is alive, and it is not used again.
     unsafe fn into_block(this: BlockPtr) -> Block {
-        // SAFETY: made by `Box::leak` in `new`; the caller gives up the pointer.
-        let arena = unsafe { Box::from_raw(this.as_ptr()) };
+        // SAFETY: made by `Arc::into_raw` in `new`; the caller gives up the pointer and its count.
+        let arena = unsafe { Arc::from_raw(this.as_ptr()) };
+        // Views hold no count, so this is the only one.
+        let Ok(arena) = Arc::try_unwrap(arena) else {
+            unreachable!("a view of an arena block holds a count of it")
+        };
         let mut block = arena.block;
         block.end_use();
         block
+    }
+
+    /// The block, mutable.
+    ///
+    /// # Safety
+    /// No view of it is alive, and the caller holds the cache's lock (the only way to reach a
+    /// block of the cache's): nothing else refers to it while the result lives.
+    #[allow(clippy::mut_from_ref)] // no view, no other reference: the caller makes it unique
+    unsafe fn block_mut<'a>(this: BlockPtr) -> &'a mut Block {
+        // SAFETY: the pointer came from `Arc::into_raw` (write provenance) and is unaliased
+        // (caller).
+        unsafe { &mut (*this.as_ptr()).block }
     }
 
     /// The views alive (lock holder, before retirement).
@@ -117,14 +182,14 @@ struct Used {
 }
 
 // SAFETY: a `Used` is part of a cache's state, reached only by the holder of its lock (on any
-// thread); it stands for the cache's ownership of a heap `ArenaBlock`, whose fields are `Send`
-// and `Sync` (a block, and atomics).
+// thread); it stands for the cache's count of an `Arc<ArenaBlock>`, whose fields are `Send` and
+// `Sync` (a block, and atomics).
 unsafe impl Send for Used {}
 
 /// The arena of one device.
-pub(super) struct DeviceArena {
-    pub(super) device: Device,
-    pub(super) gauge: u8,
+struct DeviceArena {
+    device: Device,
+    gauge: u8,
     /// The block bumped from; `None` until the first bump of a step finds one.
     current: Option<Used>,
     /// Earlier blocks of this step (it overflowed them).
@@ -140,18 +205,24 @@ pub(super) struct DeviceArena {
     spares: Vec<Block>,
 }
 
-impl DeviceArena {
-    fn new(device: Device, gauge: u8) -> DeviceArena {
-        DeviceArena {
-            device,
-            gauge,
-            current: None,
-            extra: Vec::new(),
-            fresh: false,
-            step: 0,
-            want: 0,
-            spares: Vec::new(),
-        }
+/// The arenas of a cache: one per device it has allocated on.
+#[derive(Default)]
+pub(super) struct Arenas {
+    devices: Vec<DeviceArena>,
+}
+
+impl Arenas {
+    /// The arena of `device`, if it has one.
+    #[inline]
+    fn of(&mut self, device: Device) -> Option<&mut DeviceArena> {
+        self.devices.iter_mut().find(|a| a.device == device)
+    }
+
+    /// Whether no arena holds a block (retired blocks aside).
+    fn is_empty(&self) -> bool {
+        self.devices
+            .iter()
+            .all(|a| a.current.is_none() && a.extra.is_empty() && a.spares.is_empty())
     }
 }
 
@@ -163,17 +234,27 @@ pub(super) enum Grow {
     Bypass,
 }
 
-impl Inner {
-    /// The arena of `device`, if it has one.
-    #[inline]
-    fn arena(&mut self, device: Device) -> Option<&mut DeviceArena> {
-        self.arenas.iter_mut().find(|a| a.device == device)
-    }
+/// Counts `bytes` of gauge `g` as cached.
+fn cached(st: &Counters, g: u8, bytes: usize) {
+    add(&st.gauge(g).cached, bytes);
+}
 
+/// Counts `bytes` of gauge `g` as no longer cached.
+fn uncached(st: &Counters, g: u8, bytes: usize) {
+    sub(&st.gauge(g).cached, bytes);
+}
+
+/// Gives `block`, cached in gauge `g`, back to the device.
+fn free_cached(st: &Counters, g: u8, block: Block) {
+    uncached(st, g, block.bytes());
+    st.freed(g, block.bytes());
+}
+
+impl Inner {
     /// The hit path of an arena cache: a view of the current block, if `req` fits in it.
     #[inline]
-    pub(super) fn bump(&mut self, st: &Counters, req: &Request<'_>) -> Option<Result<Block>> {
-        let a = self.arena(req.device)?;
+    fn bump(&mut self, st: &Counters, req: &Request<'_>) -> Option<Result<Block>> {
+        let a = self.arenas.of(req.device)?;
         let size = aligned(req.bytes)?;
         let used = a.current.as_mut()?;
         // SAFETY: the current block is the cache's, alive until the lock holder frees it.
@@ -181,38 +262,36 @@ impl Inner {
         if cap - used.top < size {
             return None;
         }
-        if mem::take(&mut a.fresh) {
-            // SAFETY: no view of a fresh block is alive, and the lock holder is the only thread
-            // that can reach it: this `&mut` is unique.
-            let block = unsafe { &mut used.arena.as_mut().block };
+        if a.fresh {
+            // SAFETY: no view of a fresh block is alive, and we hold the lock.
+            let block = unsafe { ArenaBlock::block_mut(used.arena) };
             if let Err(e) = block.prepare_reuse() {
-                a.fresh = true;
                 return Some(Err(e));
             }
+            a.fresh = false;
         }
-        let offset = used.top;
-        let arena = used.arena;
-        // SAFETY: `offset + req.bytes <= cap`, a block is never a view, and the block stays
-        // alive, unmoved and shared while views of it live: it is freed only once no view is
-        // alive (`views() == 0` before retirement, `shared` reaching 0 after).
-        let view = unsafe { Block::view(arena.cast::<Block>(), offset, req.bytes) };
-        let view = match view {
+        // SAFETY: as above.
+        let arena = unsafe { used.arena.as_ref() };
+        let owner: *const dyn Backend = used.arena.as_ptr().cast_const();
+        // SAFETY: `top + req.bytes <= cap`, `owner` is the `Arc::into_raw` pointer of the
+        // block's `Arc`, whose backend is not counted, and the block stays alive, unmoved and
+        // untouched through `&mut` while views of it live: it is reset or freed only once no
+        // view is alive (`views() == 0` before retirement, `shared` reaching 0 after).
+        let view = match unsafe { arena.block.view(owner, used.top, req.bytes) } {
             Ok(view) => view,
             Err(e) => return Some(Err(e)),
         };
         used.top += size;
         a.step += size;
-        // SAFETY: as above; `local` is the lock holder's.
-        let counts = unsafe { arena.as_ref() };
-        counts.local.store(counts.local.load(Relaxed) + 1, Relaxed);
+        arena.local.store(arena.local.load(Relaxed) + 1, Relaxed);
         add(&st.hits, 1);
-        sub(&st.gauge(a.gauge).cached, size);
+        uncached(st, a.gauge, size);
         Some(Ok(view))
     }
 
     /// After [`Inner::bump`] found no room: makes an idle spare big enough current and bumps
     /// from it, or says how big a new block must be.
-    pub(super) fn bump_slow(
+    fn bump_slow(
         &mut self,
         st: &Counters,
         req: &Request<'_>,
@@ -221,12 +300,8 @@ impl Inner {
             // No block can hold it; the device will say so.
             return Err(Grow::Alloc(req.bytes));
         };
-        if self.arena(req.device).is_none() {
-            let gauge = st.gauge_for(req.device).ok_or(Grow::Bypass)?;
-            self.arenas.push(DeviceArena::new(req.device, gauge));
-        }
         let generation = self.generation;
-        let a = self.arena(req.device).ok_or(Grow::Bypass)?;
+        let a = self.arena_for(st, req.device).ok_or(Grow::Bypass)?;
         let need = size.max(if a.current.is_some() { 0 } else { a.want });
         let spare = a
             .spares
@@ -251,26 +326,38 @@ impl Inner {
         }
     }
 
+    /// The arena of `device`, made if new (`None` when the cache tracks its most devices).
+    fn arena_for(&mut self, st: &Counters, device: Device) -> Option<&mut DeviceArena> {
+        if self.arenas.of(device).is_none() {
+            let gauge = st.gauge_for(device)?;
+            self.arenas.devices.push(DeviceArena {
+                device,
+                gauge,
+                current: None,
+                extra: Vec::new(),
+                fresh: false,
+                step: 0,
+                want: 0,
+                spares: Vec::new(),
+            });
+        }
+        self.arenas.of(device)
+    }
+
     /// Makes a freshly allocated `block` current and bumps `req` from it (a miss).
     /// `Err(block)` when the cache cannot track the device (the caller uses the block alone).
-    pub(super) fn adopt_block(
+    fn adopt_block(
         &mut self,
         st: &Counters,
         req: &Request<'_>,
         block: Block,
     ) -> std::result::Result<Result<Block>, Block> {
         let generation = self.generation;
-        if self.arena(req.device).is_none() {
-            let Some(gauge) = st.gauge_for(req.device) else {
-                return Err(block);
-            };
-            self.arenas.push(DeviceArena::new(req.device, gauge));
-        }
-        let Some(a) = self.arena(req.device) else {
+        let Some(a) = self.arena_for(st, req.device) else {
             return Err(block);
         };
         st.allocated(a.gauge, block.bytes());
-        add(&st.gauge(a.gauge).cached, block.bytes());
+        cached(st, a.gauge, block.bytes());
         a.install(block, generation);
         // The block holds at least the request (the caller allocated what `bump_slow` said).
         let got = self.bump(st, req).unwrap_or_else(|| {
@@ -289,11 +376,10 @@ impl Inner {
 
     /// The outermost scope exited: resets the blocks no array uses, retires the others, and
     /// after an overflow keeps one block sized to the step.
-    pub(super) fn end_step(&mut self, st: &Counters) {
+    fn end_step(&mut self, st: &Counters) {
         let generation = self.generation;
-        let cap = self.config.max_cached_bytes;
         let mut retired = 0;
-        for a in &mut self.arenas {
+        for a in &mut self.arenas.devices {
             if a.current.is_none() && a.extra.is_empty() {
                 continue;
             }
@@ -318,8 +404,7 @@ impl Inner {
                         } else if fits && !overflowed {
                             a.spares.push(block);
                         } else {
-                            sub(&st.gauge(a.gauge).cached, block.bytes());
-                            st.freed(a.gauge, block.bytes());
+                            free_cached(st, a.gauge, block);
                         }
                     }
                 }
@@ -329,30 +414,27 @@ impl Inner {
             }
         }
         self.live += retired;
-        self.evict_spares(st, cap);
+        self.evict_spares(st, self.config.max_cached_bytes);
     }
 
     /// Frees what the arenas hold (on `device`, or all) that no array uses: spares and, with
-    /// `busy` (no scope active, or out-of-memory recovery), the step's blocks whose arrays have
-    /// all dropped. With `retire`, blocks that arrays still use are retired (invalidation).
+    /// `pending` (no scope active, or out-of-memory recovery), the step's blocks whose arrays
+    /// have all dropped. With `retire`, blocks
+    /// that arrays still use are retired (invalidation, closing).
     pub(super) fn release_arenas(
         &mut self,
         st: &Counters,
         device: Option<Device>,
-        busy: bool,
+        pending: bool,
         retire: bool,
     ) {
         let mut retired = 0;
-        for a in &mut self.arenas {
+        for a in &mut self.arenas.devices {
             if device.is_some_and(|d| d != a.device) {
                 continue;
             }
             for block in a.spares.drain(..) {
-                sub(&st.gauge(a.gauge).cached, block.bytes());
-                st.freed(a.gauge, block.bytes());
-            }
-            if !busy {
-                continue;
+                free_cached(st, a.gauge, block);
             }
             let current = a.current.take();
             let used: Vec<(Used, bool)> = mem::take(&mut a.extra)
@@ -363,7 +445,8 @@ impl Inner {
             for (u, is_current) in used {
                 // SAFETY: the step's blocks are the cache's.
                 let views = unsafe { u.arena.as_ref() }.views();
-                if views > 0 && !retire {
+                let free = views == 0 && pending;
+                if !free && !(views > 0 && retire) {
                     // Its arrays are alive: it stays where it was.
                     if is_current {
                         a.current = Some(u);
@@ -374,10 +457,7 @@ impl Inner {
                 }
                 match a.finish(st, u) {
                     Finished::Retired => retired += 1,
-                    Finished::Free(block) => {
-                        sub(&st.gauge(a.gauge).cached, block.bytes());
-                        st.freed(a.gauge, block.bytes());
-                    }
+                    Finished::Free(block) => free_cached(st, a.gauge, block),
                 }
             }
         }
@@ -388,51 +468,50 @@ impl Inner {
     /// is of this generation and large enough; else freed.
     pub(super) fn take_back(&mut self, st: &Counters, block: Block, generation: u32) {
         self.live -= 1;
-        let current = self.generation;
+        let keep = generation == self.generation && self.config.key == KeyPolicy::Arena;
         let cap = self.config.max_cached_bytes;
-        let device = block.device();
-        let keep = generation == current
-            && matches!(self.config.key, crate::KeyPolicy::Arena)
-            && self.arena(device).is_some_and(|a| block.bytes() >= a.want);
-        match self.arena(device) {
-            Some(a) if keep => {
-                add(&st.gauge(a.gauge).cached, block.bytes());
+        match self.arenas.of(block.device()) {
+            Some(a) if keep && block.bytes() >= a.want => {
+                cached(st, a.gauge, block.bytes());
                 a.spares.push(block);
                 self.evict_spares(st, cap);
             }
-            _ => {
-                // Every retired block was made in an arena, so its device has a gauge.
-                if let Some(g) = st.find_gauge(device) {
-                    st.freed(g, block.bytes());
-                }
-            }
+            _ => self.free_arena_block(st, block),
+        }
+    }
+
+    /// Gives an arena block that is not counted as cached back to the device.
+    pub(super) fn free_arena_block(&mut self, st: &Counters, block: Block) {
+        // Every arena block was made in an arena, so its device has a gauge.
+        if let Some(g) = st.find_gauge(block.device()) {
+            st.freed(g, block.bytes());
         }
     }
 
     /// Frees the oldest spare blocks until the spares fit in `cap`.
-    pub(super) fn evict_spares(&mut self, st: &Counters, cap: Option<usize>) {
+    fn evict_spares(&mut self, st: &Counters, cap: Option<usize>) {
         let Some(cap) = cap else {
             return;
         };
         let mut spare: usize = self
             .arenas
+            .devices
             .iter()
             .flat_map(|a| &a.spares)
             .map(Block::bytes)
             .sum();
-        for a in &mut self.arenas {
+        for a in &mut self.arenas.devices {
             while spare > cap && !a.spares.is_empty() {
                 let block = a.spares.remove(0);
                 spare -= block.bytes();
-                sub(&st.gauge(a.gauge).cached, block.bytes());
                 add(&st.evictions, 1);
-                st.freed(a.gauge, block.bytes());
+                free_cached(st, a.gauge, block);
             }
         }
     }
 
     /// Takes back a view of an arena block on the owner thread (lock holder).
-    pub(super) fn drop_view(&mut self, st: &Counters, arena: BlockPtr) {
+    fn drop_view(&mut self, st: &Counters, arena: BlockPtr) {
         // SAFETY: a view of the block was alive until now, so the block is.
         let counts = unsafe { arena.as_ref() };
         if !counts.retired.load(Relaxed) {
@@ -443,6 +522,23 @@ impl Inner {
             let block = unsafe { ArenaBlock::into_block(arena) };
             self.take_back(st, block, generation);
         }
+    }
+
+    /// Records a bump (`kind` [`EventKind::Hit`]) or a bump from a new block
+    /// ([`EventKind::Miss`]) that made `view`.
+    #[cold]
+    #[inline(never)]
+    fn note_bump(&self, st: &Counters, kind: EventKind, view: &Block) {
+        let device = view.device();
+        let gauge = st.find_gauge(device);
+        trace::record(Note {
+            bytes: view.bytes(),
+            buffer: Some(view.id()),
+            device: Some(device),
+            stream: backend::current_stream_id(device),
+            bytes_after: gauge.map(|g| super::traced::gauge_bytes(st, g)),
+            ..Note::about(kind, Some(self.trace_id))
+        });
     }
 }
 
@@ -478,15 +574,17 @@ impl DeviceArena {
             return false;
         }
         // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`) and
-        // the lock holder is the only thread that reaches the block: this `&mut` is unique.
-        let arena = unsafe { u.arena.as_mut() };
-        arena.block.end_use();
-        if !arena.block.is_idle() {
+        // we hold the lock.
+        let block = unsafe { ArenaBlock::block_mut(u.arena) };
+        block.end_use();
+        if !block.is_idle() {
             return false;
         }
-        *arena.local.get_mut() = 0;
-        *arena.shared.get_mut() = 0;
-        add(&st.gauge(self.gauge).cached, u.top);
+        // SAFETY: as above.
+        let counts = unsafe { u.arena.as_ref() };
+        counts.local.store(0, Relaxed);
+        counts.shared.store(0, Relaxed);
+        cached(st, self.gauge, u.top);
         u.top = 0;
         self.fresh = true;
         true
@@ -497,19 +595,18 @@ impl DeviceArena {
         // SAFETY: the step's blocks are the cache's.
         let counts = unsafe { u.arena.as_ref() };
         let cap = counts.block.bytes();
-        let views = counts.views();
-        if views > 0 {
+        if counts.views() > 0 {
             // The rest of the block is not bumped from again: in use until it comes back.
-            sub(&st.gauge(self.gauge).cached, cap - u.top);
+            uncached(st, self.gauge, cap - u.top);
             counts.retired.store(true, Relaxed);
             let local = counts.local.swap(0, Relaxed) as isize;
             if counts.shared.fetch_add(local, AcqRel) + local > 0 {
                 return Finished::Retired;
             }
             // Every array dropped meanwhile on another thread: it is ours again.
-            add(&st.gauge(self.gauge).cached, cap);
+            cached(st, self.gauge, cap);
         } else {
-            add(&st.gauge(self.gauge).cached, u.top);
+            cached(st, self.gauge, u.top);
         }
         // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
         Finished::Free(unsafe { ArenaBlock::into_block(u.arena) })
@@ -517,16 +614,137 @@ impl DeviceArena {
 }
 
 impl CacheCell {
+    /// Applies `config` (lock holder): the arena flag follows the key policy, and stays set
+    /// while arrays of an arena may be alive.
+    pub(super) fn configure_locked(&self, inner: &mut Inner, config: CacheConfig) {
+        inner.configure(&self.stats, config);
+        inner.evict_spares(&self.stats, config.max_cached_bytes);
+        self.sync_arena_flag(inner);
+    }
+
+    /// Sets the [`ARENA`] flag for an arena cache, and clears it once a cache that is no longer
+    /// one holds no arena block and no array of it is alive (`live` counts retired arena
+    /// blocks, and arrays of free lists: a conservative test).
+    fn sync_arena_flag(&self, inner: &mut Inner) {
+        let set = self.flags.load(Relaxed) & ARENA != 0;
+        if inner.config.key == KeyPolicy::Arena {
+            if !set {
+                self.flags.fetch_or(ARENA, Relaxed);
+            }
+        } else if set {
+            inner.release_arenas(&self.stats, None, true, false);
+            if inner.arenas.is_empty() && inner.live == 0 {
+                self.flags.fetch_and(!ARENA, Relaxed);
+            }
+        }
+    }
+
+    /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for an arena cache a bump, or
+    /// the size of a new block. A cache that is no longer one (its arrays keep the flag set)
+    /// first looks up its free list as the hit path does (`None`: go on as for any cache).
+    #[inline(never)]
+    pub(super) fn take_flagged(&self, inner: &mut Inner, req: &Request<'_>) -> Option<Take> {
+        if inner.config.key == KeyPolicy::Arena {
+            // A bump is the hit path: it takes nothing in, as a free-list hit does not.
+            if let Some(got) = inner.bump(&self.stats, req) {
+                return Some(self.bumped(inner, Ok(got)));
+            }
+            self.drain_returned(inner, true);
+            inner.poll_deferred(&self.stats);
+            let got = match inner.bump(&self.stats, req) {
+                Some(got) => Ok(got),
+                None => inner.bump_slow(&self.stats, req),
+            };
+            return Some(self.bumped(inner, got));
+        }
+        if self.traced() {
+            return None;
+        }
+        let slot = inner.find(inner.key(req))?;
+        let block = inner.pop(&self.stats, slot)?;
+        Some(Take::Hit(block, self.home(slot, inner.generation)))
+    }
+
+    /// What a bump (or the slow path's) gives the caller.
+    #[inline(always)]
+    fn bumped(&self, inner: &mut Inner, got: std::result::Result<Result<Block>, Grow>) -> Take {
+        match got {
+            Ok(Ok(view)) => {
+                if self.traced() {
+                    inner.note_bump(&self.stats, EventKind::Hit, &view);
+                }
+                Take::Hit(view, self.home(VIEW_SLOT, inner.generation))
+            }
+            Ok(Err(e)) => Take::Failed(e),
+            Err(Grow::Alloc(capacity)) => Take::Miss {
+                capacity,
+                zeroed: true,
+            },
+            Err(Grow::Bypass) => Take::Bypass,
+        }
+    }
+
+    /// [`CacheCell::adopt`] for an arena cache: `block` becomes the current block.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn adopt_arena(
+        &self,
+        inner: &mut Inner,
+        req: &Request<'_>,
+        block: Block,
+    ) -> Result<(Block, Option<Home>, bool)> {
+        match inner.adopt_block(&self.stats, req, block) {
+            Ok(view) => {
+                let view = view?;
+                if self.traced() {
+                    inner.note_bump(&self.stats, EventKind::Miss, &view);
+                }
+                Ok((view, Some(self.home(VIEW_SLOT, inner.generation)), true))
+            }
+            Err(block) => Ok((block, None, false)),
+        }
+    }
+
+    /// [`CacheCell::exit`] of a cache that is not [plain](CacheCell::is_plain): the outermost
+    /// exit of an arena cache ends its step first, and a traced cache records the exit.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn exit_slow(&self) {
+        if self.flags.load(Relaxed) & ARENA != 0 && self.depth.load(Relaxed) == 1 {
+            // SAFETY: (see `locked`) the owner thread, inside the outermost scope of the cell.
+            let inner = unsafe { self.locked() };
+            // Retired blocks returned meanwhile first: they may be spares for the next step.
+            self.drain_returned(inner, false);
+            inner.end_step(&self.stats);
+            self.sync_arena_flag(inner);
+        }
+        if self.traced() {
+            self.exit_traced();
+        } else {
+            self.exit();
+        }
+    }
+
     /// Returns a view of an arena block from any thread. On the owner thread (cell open) it
     /// goes back under the lock; elsewhere only the block's count changes, and the last view of
-    /// a retired block sends the block home. Out of line, so that `release` stays small.
+    /// a retired block sends the block home.
     #[inline(never)]
     pub(super) fn release_view(home: Home, view: Block, current: *const CacheCell) {
-        // SAFETY: `view` was made by `bump` from an arena block and is alive.
-        let Some(arena) = (unsafe { ArenaBlock::of_view(&view) }) else {
+        // The view's backend is its arena block (see `Inner::bump`).
+        let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };
-        drop(view);
+        #[cfg(feature = "cuda")]
+        let mut view = view;
+        // Streams the view was used on order the block's next use.
+        #[cfg(feature = "cuda")]
+        if let Some(v) = view.cuda_mut() {
+            // SAFETY: the block is alive while a view of it is.
+            if let Some(parent) = unsafe { arena.as_ref() }.block.cuda() {
+                v.hand_marks_to(parent);
+            }
+        }
+        // SAFETY: `view` was made by `Block::view`.
+        unsafe { view.drop_view() };
         // SAFETY: the block is alive while it is current or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };

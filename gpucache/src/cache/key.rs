@@ -80,7 +80,7 @@ impl Key {
 impl KeyRef<'_> {
     /// The key's hash. Written out rather than derived (this is on every allocation): one
     /// multiply-fold per word, the device, element type, rank and kind packed in the first.
-    #[inline(always)]
+    #[inline]
     pub(super) fn hash(self) -> u64 {
         let (device, first, rest): (Device, u64, &[usize]) = match self {
             KeyRef::Exact {
@@ -102,7 +102,7 @@ impl KeyRef<'_> {
     }
 
     /// Whether `key` is this key.
-    #[inline(always)]
+    #[inline]
     pub(super) fn matches(self, key: &Key) -> bool {
         match (self, key.as_ref()) {
             (

@@ -8,7 +8,7 @@ use std::mem;
 use hashbrown::HashTable;
 
 use super::Request;
-use super::arena::DeviceArena;
+use super::arena::Arenas;
 use super::key::{Entry, Key, KeyRef};
 use crate::Device;
 use crate::backend::Block;
@@ -55,10 +55,10 @@ pub(super) struct Inner {
     clock: u64,
     /// Rebuild `lru` when it grows past this (it holds stale entries for buffers since taken).
     lru_limit: usize,
-    /// Blocks handed to arrays and not yet back (for an arena cache: retired blocks).
+    /// Blocks handed to arrays and not yet back (and retired arena blocks).
     pub(super) live: usize,
-    /// The arenas of an arena cache, one per device.
-    pub(super) arenas: Vec<DeviceArena>,
+    /// The arenas of an arena cache.
+    pub(super) arenas: Arenas,
 }
 
 impl Inner {
@@ -76,21 +76,21 @@ impl Inner {
             clock: 0,
             lru_limit: 0,
             live: 0,
-            arenas: Vec::new(),
+            arenas: Arenas::default(),
         }
     }
 
     /// The key of `req` under this cache's policy.
-    #[inline(always)]
+    #[inline]
     pub(super) fn key<'a>(&self, req: &Request<'a>) -> KeyRef<'a> {
         match self.config.key {
-            KeyPolicy::Exact => KeyRef::Exact {
+            // Arena caches bump instead of looking keys up; this key is never used.
+            KeyPolicy::Exact | KeyPolicy::Arena => KeyRef::Exact {
                 dtype: req.dtype,
                 device: req.device,
                 dims: req.dims,
             },
-            // Arena caches bump instead of looking keys up; this key is never used.
-            KeyPolicy::SizeClass | KeyPolicy::Arena => KeyRef::Class {
+            KeyPolicy::SizeClass => KeyRef::Class {
                 bytes: self.config.key.capacity(req.bytes),
                 device: req.device,
             },
@@ -98,7 +98,7 @@ impl Inner {
     }
 
     /// The free list of `key`, if it has one.
-    #[inline(always)]
+    #[inline]
     pub(super) fn find(&self, key: KeyRef<'_>) -> Option<u32> {
         let hash = key.hash();
         self.keys
@@ -214,12 +214,6 @@ impl Inner {
         self.evict(st);
     }
 
-    /// Gives a block of gauge `g` that has no free list (an arena block) back to the device.
-    pub(super) fn free_gauge(&mut self, st: &Counters, g: u8, block: Block) {
-        st.freed(g, block.bytes());
-        drop(block);
-    }
-
     /// Gives a block of free list `slot` back to the device.
     pub(super) fn free(&mut self, st: &Counters, slot: u32, block: Block) {
         st.freed(self.gauge(slot), block.bytes());
@@ -246,9 +240,6 @@ impl Inner {
         // Keep the capacity for the next step.
         self.pending = pending;
         self.poll_deferred(st);
-        if !self.arenas.is_empty() {
-            self.end_step(st);
-        }
     }
 
     /// Frees the buffers (on `device`, or all) dropped during an active scope and those
@@ -286,9 +277,8 @@ impl Inner {
     }
 
     /// Frees what the cache holds on `device` (or all devices) that no array owns and no scope
-    /// needs: the free lists, the deferred buffers, spare arena blocks and, with `pending` (no
-    /// scope active, or out-of-memory recovery), the buffers dropped inside the active scope
-    /// and the arena blocks whose arrays have all dropped.
+    /// needs: the free lists, the deferred buffers, the arena blocks no array uses and, with
+    /// `pending`, the buffers dropped inside the active scope.
     pub(super) fn give_back(&mut self, st: &Counters, device: Option<Device>, pending: bool) {
         self.flush(st, device);
         self.release_arenas(st, device, pending, false);
@@ -328,7 +318,6 @@ impl Inner {
         self.config = config;
         self.rebuild_lru();
         self.evict(st);
-        self.evict_spares(st, config.max_cached_bytes);
     }
 
     /// Frees the least recently freed buffers until the cache is within its byte cap.

@@ -58,7 +58,7 @@ use crate::stats::{CacheStats, Counters, DeviceBytes, add};
 use crate::trace::{self, EventKind};
 use crate::{DType, Device};
 
-use arena::{ARENA, Grow};
+use arena::VIEW_SLOT;
 use lists::Inner;
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, release_remote};
@@ -67,6 +67,9 @@ use remote::{RemoteSide, release_remote};
 const CLOSED: u8 = 1;
 /// [`CacheCell::flags`]: events are being recorded.
 const TRACED: u8 = 2;
+/// [`CacheCell::flags`]: an arena cache, or arrays of its arena may still be alive (see the
+/// `arena` module): allocations, drops and exits take the slow paths, which serve arenas.
+const ARENA: u8 = 4;
 
 /// A number naming a thread, unique for the life of the process (never reused).
 pub(crate) type ThreadToken = u64;
@@ -106,8 +109,8 @@ pub(crate) struct Request<'a> {
 /// Invariant: while a `Home` exists, the block it came with is counted in its cell's `live`
 /// (or, once the cell is closed, in `orphans`), so the cell is alive.
 ///
-/// An arena array's `Home` has `slot` [`ARENA`](arena::ARENA), and its block is a view of an
-/// arena block, which is the cell's or counted in `live` (see the `arena` module).
+/// An arena array's `Home` has `slot` [`VIEW_SLOT`], and its block is a view of an arena block
+/// (see the `arena` module).
 ///
 /// Free lists are never removed or renumbered (invalidation empties them), so `slot` always
 /// names the free list of this block's key, and a generation that wrapped around could at worst
@@ -148,9 +151,10 @@ pub(crate) struct CacheCell {
     /// Active scope entries; written and read by the owner only.
     depth: AtomicU32,
     /// [`CLOSED`]: set by the owner when its thread exits. [`TRACED`]: events of the cache are
-    /// being recorded (set by `trace::start` and `trace::stop`, from any thread). One byte, so
-    /// that the hot paths, which must test `CLOSED` anyway, send a traced cache to the slow path
-    /// with the same test ([`CacheCell::is_plain`]).
+    /// being recorded (set by `trace::start` and `trace::stop`, from any thread). [`ARENA`]:
+    /// set by the owner (see the `arena` module). One byte, so that the hot paths, which must
+    /// test `CLOSED` anyway, send a traced or arena cache to the slow path with the same test
+    /// ([`CacheCell::is_plain`]).
     flags: AtomicU8,
     inner: UnsafeCell<Inner>,
     stats: Counters,
@@ -193,7 +197,14 @@ impl CacheCell {
             owner,
             lock: RawMutex::INIT,
             depth: AtomicU32::new(0),
-            flags: AtomicU8::new(if trace::on() { TRACED } else { 0 }),
+            flags: AtomicU8::new(
+                if trace::on() { TRACED } else { 0 }
+                    | if config.key == KeyPolicy::Arena {
+                        ARENA
+                    } else {
+                        0
+                    },
+            ),
             inner: UnsafeCell::new(Inner::new(config, trace_id)),
             stats: Counters::default(),
             remote: RemoteSide::default(),
@@ -268,7 +279,7 @@ impl CacheCell {
         self.flags.load(Relaxed) & CLOSED != 0
     }
 
-    /// Neither closed nor recorded: the hot paths may serve it without recording.
+    /// Neither closed, recorded nor an arena: the hot paths may serve it.
     #[inline]
     pub(crate) fn is_plain(&self) -> bool {
         self.flags.load(Relaxed) == 0
@@ -361,7 +372,7 @@ impl CacheCell {
         let requests = mem::take(&mut self.remote.state.lock().requests);
         self.drain_returned(inner, false);
         if let Some(config) = requests.config {
-            inner.configure(&self.stats, config);
+            self.configure_locked(inner, config);
         }
         if requests.invalidate {
             inner.invalidate(&self.stats);
@@ -450,20 +461,9 @@ impl CacheCell {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
         let inner = unsafe { self.locked() };
-        if inner.config.key == KeyPolicy::Arena {
-            return self.hit_arena(inner, req);
-        }
         let slot = inner.find(inner.key(req))?;
         let block = inner.pop(&self.stats, slot)?;
         Some((block, self.home(slot, inner.generation)))
-    }
-
-    /// The hit path of an arena cache: a bump. Kept out of line, so that the free-list hit
-    /// stays as small as it was.
-    #[inline(never)]
-    fn hit_arena(&self, inner: &mut Inner, req: &Request<'_>) -> Option<(Block, Home)> {
-        let view = inner.bump(&self.stats, req)?.ok()?;
-        Some((view, self.home(ARENA, inner.generation)))
     }
 
     /// After [`CacheCell::hit`] found nothing: takes in the buffers other threads returned and
@@ -472,24 +472,13 @@ impl CacheCell {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: (see `locked`) as in `hit`.
         let inner = unsafe { self.locked() };
+        if self.flags.load(Relaxed) & ARENA != 0
+            && let Some(took) = self.take_flagged(inner, req)
+        {
+            return took;
+        }
         self.drain_returned(inner, true);
         inner.poll_deferred(&self.stats);
-        if inner.config.key == KeyPolicy::Arena {
-            let home = self.home(ARENA, inner.generation);
-            let got = match inner.bump(&self.stats, req) {
-                Some(got) => Ok(got),
-                None => inner.bump_slow(&self.stats, req),
-            };
-            return match got {
-                Ok(Ok(view)) => Take::Hit(view, home),
-                Ok(Err(e)) => Take::Failed(e),
-                Err(Grow::Alloc(capacity)) => Take::Miss {
-                    capacity,
-                    zeroed: true,
-                },
-                Err(Grow::Bypass) => Take::Bypass,
-            };
-        }
         match inner.slot_of(&self.stats, req) {
             None => Take::Bypass,
             Some(slot) => match inner.pop(&self.stats, slot) {
@@ -508,8 +497,8 @@ impl CacheCell {
     }
 
     /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`]. Returns what the
-    /// array gets (the block, or for an arena cache a view of it), its home, and whether it is a
-    /// view (which the array prepares as a recycled buffer).
+    /// array gets (the block, or for an arena cache a view of it), its home, and whether it is
+    /// a view (which the array prepares as a recycled buffer).
     pub(crate) fn adopt(
         &self,
         req: &Request<'_>,
@@ -517,10 +506,7 @@ impl CacheCell {
     ) -> crate::Result<(Block, Option<Home>, bool)> {
         self.owned(|inner, st| {
             if inner.config.key == KeyPolicy::Arena {
-                return match inner.adopt_block(st, req, block) {
-                    Ok(view) => Ok((view?, Some(self.home(ARENA, inner.generation)), true)),
-                    Err(block) => Ok((block, None, false)),
-                };
+                return self.adopt_arena(inner, req, block);
             }
             let Some(slot) = inner.slot_of(st, req) else {
                 return Ok((block, None, false));
@@ -575,7 +561,7 @@ impl CacheCell {
 
     /// Applies `config` (owner thread). Changing the key policy invalidates the cache.
     pub(crate) fn configure(&self, config: CacheConfig) {
-        self.owned(|inner, st| inner.configure(st, config));
+        self.owned(|inner, _| self.configure_locked(inner, config));
     }
 
     /// The configuration (owner thread).
@@ -610,11 +596,8 @@ impl CacheCell {
             }
             for r in remote.queue.drain(..) {
                 inner.live -= 1;
-                if r.slot == ARENA {
-                    // An arena block: it has no free list, but a gauge for its device.
-                    if let Some(g) = st.find_gauge(r.block.device()) {
-                        inner.free_gauge(st, g, r.block);
-                    }
+                if r.slot == VIEW_SLOT {
+                    inner.free_arena_block(st, r.block);
                 } else {
                     inner.free(st, r.slot, r.block);
                 }
@@ -637,9 +620,6 @@ impl CacheCell {
 /// back, with no check of the thread and no lock.
 #[inline]
 pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
-    if home.slot == ARENA {
-        return CacheCell::release_view(home, block, current);
-    }
     // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
     // have been freed (the remote path drops its last use before releasing the keep-alive).
     let cell = unsafe { home.cell.as_ref() };
@@ -648,6 +628,8 @@ pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
         // owner thread, inside a scope of the cell.
         let inner = unsafe { cell.locked() };
         inner.release(&cell.stats, true, home.slot, home.generation, block);
+    } else if home.slot == VIEW_SLOT {
+        CacheCell::release_view(home, block, current);
     } else if cell.traced() {
         traced::release_traced(home, block, current);
     } else if cell.is_owned_here() && !cell.is_closed() {

@@ -11,14 +11,14 @@ use std::sync::atomic::{AtomicBool, Ordering::*};
 
 use parking_lot::Mutex;
 
-use super::arena::ARENA;
+use super::arena::VIEW_SLOT;
 use super::lists::Inner;
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::CacheConfig;
 
-/// A buffer returned by another thread, waiting for the owner (`slot` [`ARENA`]: a retired arena
+/// A buffer returned by another thread, waiting for the owner (`slot` [`VIEW_SLOT`]: a retired arena
 /// block whose last array dropped).
 pub(super) struct Returned {
     pub(super) block: Block,
@@ -94,7 +94,7 @@ impl CacheCell {
         }
         let traced = crate::trace::on();
         for r in returned {
-            if r.slot == ARENA {
+            if r.slot == VIEW_SLOT {
                 inner.take_back(&self.stats, r.block, r.generation);
             } else if traced {
                 inner.release_traced(&self.stats, active, r.slot, r.generation, r.block);

@@ -12,7 +12,7 @@ use crate::stats::Counters;
 use crate::trace::{self, EventKind, Note};
 
 /// (in use, cached) bytes of gauge `g`.
-fn gauge_bytes(st: &Counters, g: u8) -> (usize, usize) {
+pub(super) fn gauge_bytes(st: &Counters, g: u8) -> (usize, usize) {
     let gauge = st.gauge(g);
     let held = gauge.held.load(std::sync::atomic::Ordering::Relaxed) as usize;
     let cached = gauge.cached.load(std::sync::atomic::Ordering::Relaxed) as usize;

@@ -126,6 +126,18 @@ impl<T: Element> Array<T> {
     #[inline(never)]
     fn alloc_slow(device: Device, shape: Shape, bytes: usize, init: Init) -> Result<Self> {
         let zero = init.zero_recycled::<T>();
+        if bytes != 0 {
+            // An arena cache is never plain: its hit path, a bump, comes first here.
+            let req = Request {
+                dtype: T::DTYPE,
+                dims: shape.dims(),
+                device,
+                bytes,
+            };
+            if let Some((block, home)) = cache::bump(&req) {
+                return Self::recycled(block, home, shape, device, bytes, zero);
+            }
+        }
         // A new buffer is zeroed unless it is about to be overwritten.
         let zero_new = init != Init::Overwritten;
         if bytes == 0 {

@@ -235,11 +235,13 @@ pub(super) enum Grow {
 }
 
 /// Counts `bytes` of gauge `g` as cached.
+#[inline]
 fn cached(st: &Counters, g: u8, bytes: usize) {
     add(&st.gauge(g).cached, bytes);
 }
 
 /// Counts `bytes` of gauge `g` as no longer cached.
+#[inline]
 fn uncached(st: &Counters, g: u8, bytes: usize) {
     sub(&st.gauge(g).cached, bytes);
 }
@@ -252,7 +254,7 @@ fn free_cached(st: &Counters, g: u8, block: Block) {
 
 impl Inner {
     /// The hit path of an arena cache: a view of the current block, if `req` fits in it.
-    #[inline]
+    #[inline(always)]
     fn bump(&mut self, st: &Counters, req: &Request<'_>) -> Option<Result<Block>> {
         let a = self.arenas.of(req.device)?;
         let size = aligned(req.bytes)?;
@@ -511,6 +513,7 @@ impl Inner {
     }
 
     /// Takes back a view of an arena block on the owner thread (lock holder).
+    #[inline]
     fn drop_view(&mut self, st: &Counters, arena: BlockPtr) {
         // SAFETY: a view of the block was alive until now, so the block is.
         let counts = unsafe { arena.as_ref() };
@@ -613,6 +616,13 @@ impl DeviceArena {
     }
 }
 
+/// The hit path of an arena cache: a bump from the current cache, if it is a plain arena cache
+/// (see [`CacheCell::bump`]). Out of line, so that the free-list hit stays as it was.
+#[inline]
+pub(crate) fn bump(req: &Request<'_>) -> Option<(Block, Home)> {
+    crate::scope::with_current(|c| c.and_then(|c| c.bump(req)))
+}
+
 impl CacheCell {
     /// Applies `config` (lock holder): the arena flag follows the key policy, and stays set
     /// while arrays of an arena may be alive.
@@ -637,6 +647,25 @@ impl CacheCell {
                 self.flags.fetch_and(!ARENA, Relaxed);
             }
         }
+    }
+
+    /// The hit path of an arena cache: a bump from the current block. Call only on this
+    /// thread's current (hence active) cache. `None` for any other cache, a recorded or closed
+    /// one, and when the block has no room (or preparing it failed): [`CacheCell::take`] then
+    /// serves the request (and reports the failure).
+    #[inline]
+    pub(crate) fn bump(&self, req: &Request<'_>) -> Option<(Block, Home)> {
+        if self.flags.load(Relaxed) != ARENA {
+            return None;
+        }
+        debug_assert!(self.is_owned_here() && self.is_active());
+        // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
+        let inner = unsafe { self.locked() };
+        if inner.config.key != KeyPolicy::Arena {
+            return None;
+        }
+        let view = inner.bump(&self.stats, req)?.ok()?;
+        Some((view, self.home(VIEW_SLOT, inner.generation)))
     }
 
     /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for an arena cache a bump, or

@@ -59,6 +59,7 @@ use crate::trace::{self, EventKind};
 use crate::{DType, Device};
 
 use arena::VIEW_SLOT;
+pub(crate) use arena::bump;
 use lists::Inner;
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, release_remote};

@@ -756,16 +756,29 @@ impl CacheCell {
     /// Returns a view of an arena block from any thread. On the owner thread (cell open) it
     /// goes back under the lock; elsewhere only the block's count changes, and the last view of
     /// a retired block sends the block home.
-    #[inline(never)]
+    ///
+    /// Inlined, so that the view is taken apart where it is (moving the view to another frame
+    /// cost a stalled copy); the rest is out of line, in [`CacheCell::view_dropped`].
+    #[inline(always)]
     pub(super) fn release_view(home: Home, view: Block, current: *const CacheCell) {
         // The view's backend is its arena block (see `Inner::bump`).
         let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };
         #[cfg(feature = "cuda")]
-        let mut view = view;
-        // Streams the view was used on order the block's next use.
-        #[cfg(feature = "cuda")]
+        if view.cuda().is_some() {
+            return Self::release_cuda_view(home, view, arena, current);
+        }
+        // SAFETY: `view` was made by `Block::view`.
+        unsafe { view.drop_view() };
+        Self::view_dropped(home, arena, current);
+    }
+
+    /// [`CacheCell::release_view`] of a view of device memory: the streams it was used on
+    /// order the block's next use.
+    #[cfg(feature = "cuda")]
+    #[inline(never)]
+    fn release_cuda_view(home: Home, mut view: Block, arena: BlockPtr, current: *const CacheCell) {
         if let Some(v) = view.cuda_mut() {
             // SAFETY: the block is alive while a view of it is.
             if let Some(parent) = unsafe { arena.as_ref() }.block.cuda() {
@@ -774,6 +787,13 @@ impl CacheCell {
         }
         // SAFETY: `view` was made by `Block::view`.
         unsafe { view.drop_view() };
+        Self::view_dropped(home, arena, current);
+    }
+
+    /// A view of `arena` was dropped: counts it, and the last view of a retired block sends the
+    /// block home.
+    #[inline(never)]
+    fn view_dropped(home: Home, arena: BlockPtr, current: *const CacheCell) {
         // SAFETY: the block is alive while it is current or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };

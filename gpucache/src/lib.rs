@@ -172,19 +172,19 @@
 //! i64; the largest step is 0.31 MiB). Device allocations over the run and in its second half,
 //! the peak, the bytes cached at the end against the largest step, and the time per step of the
 //! second half against exact keys, median (range) over 7 interleaved rounds: on the CPU of the
-//! 2-core development VM, and on an NVIDIA H200 (each step ending with a stream
+//! 2-core development VM, and on an NVIDIA H100 (each step ending with a stream
 //! synchronisation). The counts are the same on both.
 //!
-//! | policy | device allocs (2nd half) | hits | peak | cached (/ largest step) | CPU time vs exact | H200 time vs exact |
+//! | policy | device allocs (2nd half) | hits | peak | cached (/ largest step) | CPU time vs exact | H100 time vs exact |
 //! |---|---|---|---|---|---|---|
-//! | exact | 256 (0) | 96.8% | 10.17 MiB | 10.17 MiB (32.5x) | 1.00 (0.34 µs) | 1.00 (6.0 µs) |
-//! | exact, cap = 2 steps | 7593 (3815) | 5.1% | 0.93 MiB | 0.54 MiB (1.73x) | 13.4 (10.5–15.7) | 4.26 (3.89–4.43) |
-//! | size classes | 45 (0) | 99.4% | 1.58 MiB | 1.58 MiB (5.04x) | 0.96 (0.79–1.01) | 0.98 (0.86–1.05) |
-//! | arena | 7 (0) | 99.9% | 0.90 MiB | 0.31 MiB (1.00x) | 0.70 (0.61–9.03) | 1.35 (1.16–1.52) |
+//! | exact | 256 (0) | 96.8% | 10.17 MiB | 10.17 MiB (32.5x) | 1.00 (0.31 µs) | 1.00 (7.8 µs) |
+//! | exact, cap = 2 steps | 7593 (3815) | 5.1% | 0.93 MiB | 0.54 MiB (1.73x) | 14.5 (13.3–15.8) | 4.97 (4.90–5.12) |
+//! | size classes | 45 (0) | 99.4% | 1.58 MiB | 1.58 MiB (5.04x) | 1.02 (0.90–1.14) | 0.96 (0.95–1.00) |
+//! | arena | 7 (0) | 99.9% | 0.90 MiB | 0.31 MiB (1.00x) | 0.74 (0.61–0.81) | 1.51 (1.49–1.54) |
 //!
 //! The arena's peak is its first steps, which grow into extra blocks before one block sized to
-//! the largest step replaces them. On the H200 an arena step took about 2 µs more than an
-//! exact-key step (0.5 µs per array): there each arena array is a cudarc slice of its own over
+//! the largest step replaces them. On the H100 an arena step took about 4 µs more than an
+//! exact-key step (1 µs per array): there each arena array is a cudarc slice of its own over
 //! its part of the block, for which cudarc creates two events (its cross-stream tracking),
 //! while an exact-key hit reuses its buffer's slice (the likely cause; not measured apart).
 //!
@@ -282,6 +282,10 @@
 //! each thread's scopes as slices and the bytes in use and cached as counter tracks per device
 //! and per cache. While recording is off it costs nothing measurable (one test of a flag the
 //! hot paths already test); the [`trace`] module has the details and the cost per event.
+//! In an arena cache ([`KeyPolicy::Arena`]) a bump is recorded as a hit and a bump that needed
+//! a new block as a miss, each with the array's bytes and address (and no key); the drop of an
+//! arena array is no event of its own (its bytes come back at the scope's exit, recorded with
+//! the cache's bytes).
 //!
 //! With the `tracing` feature, misses, evictions and invalidations are also `tracing` debug
 //! events and out-of-memory a warning (hits never are).

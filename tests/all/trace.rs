@@ -36,6 +36,48 @@ fn record(f: impl FnOnce()) -> Trace {
 }
 
 #[test]
+fn arena_bumps_are_recorded_as_hits_and_new_blocks_as_misses() {
+    let _serial = serial();
+    let name = "trace-arena";
+    configure(name, |c| c.key = gpucache::KeyPolicy::Arena);
+    let mut addrs = Vec::new();
+    let t = record(|| {
+        for _ in 0..3 {
+            let _scope = enter(name);
+            let a = Array::<f32>::zeros(Device::Cpu, [4, 8]).unwrap();
+            let b = Array::<u8>::zeros(Device::Cpu, [3]).unwrap();
+            addrs.push([
+                a.as_slice().unwrap().as_ptr() as u64,
+                b.as_slice().unwrap().as_ptr() as u64,
+            ]);
+        }
+    });
+    let events = of(&t, name);
+    let s = stats(name);
+    // The first step grows into a second block (two misses); the other two bump from it.
+    assert_eq!((s.misses, s.hits), (2, 4));
+    assert_eq!(count(&events, EventKind::Miss), 2);
+    assert_eq!(count(&events, EventKind::Hit), 4);
+    // Each names the array's bytes and address.
+    let bumps: Vec<(usize, u64)> = events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Hit | EventKind::Miss))
+        .map(|e| {
+            assert_eq!(e.device, Some(Device::Cpu));
+            (e.bytes, e.buffer.expect("an address"))
+        })
+        .collect();
+    let expected: Vec<(usize, u64)> = addrs
+        .iter()
+        .flat_map(|&[a, b]| [(128, a), (3, b)])
+        .collect();
+    assert_eq!(bumps, expected);
+    // The drops are not events of their own.
+    assert_eq!(count(&events, EventKind::FreeToCache), 0);
+    gpucache::invalidate(name);
+}
+
+#[test]
 fn every_kind_of_event_is_recorded_with_its_fields() {
     let _serial = serial();
     let name = "trace-kinds";

@@ -33,7 +33,7 @@ const SCOPE: &str = "bench-threads";
 /// Elements of the array each iteration allocates: 1 KiB of `f32`.
 const LEN: usize = 256;
 /// How long each thread loops in one measurement.
-const SPAN: Duration = Duration::from_millis(150);
+const SPAN: Duration = Duration::from_millis(250);
 
 /// One thing to measure.
 #[derive(Clone, Copy, Debug)]

@@ -148,7 +148,7 @@ impl Inner {
         let Free { block, .. } = list.free.pop()?;
         self.live += 1;
         add(&st.hits, 1);
-        sub(&st.gauge(list.gauge).cached, block.bytes());
+        sub(st.gauge(list.gauge).cached, block.bytes());
         Some(block)
     }
 
@@ -166,10 +166,10 @@ impl Inner {
         if generation != self.generation {
             self.free(st, slot, block);
         } else if active && self.config.reuse == Reuse::OnExit {
-            add(&st.gauge(self.gauge(slot)).waiting, block.bytes());
+            add(st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.pending.push((slot, block));
         } else if !block.is_idle() {
-            add(&st.gauge(self.gauge(slot)).waiting, block.bytes());
+            add(st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.deferred.push((slot, block));
         } else {
             self.push_free(st, slot, block, false);
@@ -205,21 +205,29 @@ impl Inner {
         let list = &mut self.slots[slot as usize];
         let gauge = st.gauge(list.gauge);
         if waited {
-            sub(&gauge.waiting, block.bytes());
+            sub(gauge.waiting, block.bytes());
         }
-        add(&gauge.cached, block.bytes());
+        add(gauge.cached, block.bytes());
         self.clock += 1;
-        let stamp = self.clock;
-        list.free.push(Free { block, stamp });
-        if self.config.max_cached_bytes.is_some() {
-            self.note_free_capped(st, stamp, slot);
+        let free = Free {
+            block,
+            stamp: self.clock,
+        };
+        // The cap is tested first, so that nothing stays live across the push.
+        if self.config.max_cached_bytes.is_none() {
+            list.free.push(free);
+        } else {
+            self.push_free_capped(st, slot, free);
         }
     }
 
-    /// Under a byte cap: records a freed buffer in the LRU order and evicts down to the cap.
+    /// Under a byte cap: pushes a freed buffer, records it in the LRU order and evicts down to
+    /// the cap.
     #[cold]
-    pub(super) fn note_free_capped(&mut self, st: &Counters, stamp: u64, slot: u32) {
-        self.lru.push_back((stamp, slot));
+    #[inline(never)]
+    fn push_free_capped(&mut self, st: &Counters, slot: u32, free: Free) {
+        self.lru.push_back((free.stamp, slot));
+        self.slots[slot as usize].free.push(free);
         if self.lru.len() > self.lru_limit {
             self.rebuild_lru();
         }
@@ -267,7 +275,7 @@ impl Inner {
         }
         for (slot, block) in freed {
             let g = self.gauge(slot);
-            sub(&st.gauge(g).waiting, block.bytes());
+            sub(st.gauge(g).waiting, block.bytes());
             self.free(st, slot, block);
         }
     }
@@ -281,7 +289,7 @@ impl Inner {
             }
         }
         for (slot, g, block) in freed {
-            sub(&st.gauge(g).cached, block.bytes());
+            sub(st.gauge(g).cached, block.bytes());
             self.free(st, slot, block);
         }
     }
@@ -333,7 +341,7 @@ impl Inner {
         let Some(cap) = self.config.max_cached_bytes else {
             return;
         };
-        while st.cached() > cap {
+        while st.cached_total() > cap {
             let Some((stamp, slot)) = self.lru.pop_front() else {
                 break;
             };
@@ -343,7 +351,7 @@ impl Inner {
             if list.free.first().is_some_and(|f| f.stamp == stamp) {
                 let Free { block, .. } = list.free.remove(0);
                 let g = list.gauge;
-                sub(&st.gauge(g).cached, block.bytes());
+                sub(st.gauge(g).cached, block.bytes());
                 add(&st.evictions, 1);
                 #[cfg(feature = "tracing")]
                 tracing::debug!(

@@ -17,10 +17,25 @@
 //! on the default stream), with one synchronisation per step (as reading the loss would
 //! cost); a step's time is host wall-clock time to that synchronisation.
 //!
-//! A round runs each variant for a fixed number of steps, variants interleaved (the order
-//! rotates from round to round); the first round is a warm-up and is not counted. The table
-//! gives the median over rounds of the mean step time, and the median and range of the ratio
-//! to the preallocated variant's time in the same round.
+//! # How the variants are interleaved
+//!
+//! The small step is bound by the host (kernel launches), so its time follows the host CPU's
+//! clock and whatever else that machine does, which drift over seconds. So variants take
+//! turns at a fine grain: a *turn* is one untimed step (it brings the variant's state back
+//! into the CPU caches, and for the pool variants sets the pool's release threshold and lets
+//! the pool settle) and then `STEPS` timed steps; a *pass* gives every variant one turn, in an
+//! order shuffled anew for each pass (so no variant always follows the same one); a *round* is
+//! `PASSES` passes. The round's step time of a variant is the mean over its timed steps in that
+//! round, and its ratio is to the preallocated variant's time in the same round: both were
+//! measured over the same second or so, turn by turn. Round 0 warms up (allocations, the
+//! capture, the clocks) and is not counted. The table gives the median over rounds of the step
+//! time, and the median and range of the ratio.
+//!
+//! After each table, the host work of the step's buffers alone is timed the same way, without
+//! any device work: allocate the step's buffers, push each one as a kernel argument three
+//! times (about as often as the step uses it) into a launch that is never made, drop them
+//! (for gpucache: inside a scope, entered and exited each time). The difference between
+//! gpucache and preallocation there is what gpucache itself costs the host per step.
 //!
 //! A context with a second stream has cudarc's event tracking on: every launch that takes a
 //! buffer waits for and records its events. `--no-event-tracking` turns it off before any
@@ -39,9 +54,11 @@ use gpucache::cuda::cudarc::driver::sys::{
 };
 use gpucache::cuda::cudarc::driver::{CudaGraph, CudaStream};
 use gpucache::{Array, Device};
-use mlp::{Cached, Cudarc, Dims, Gpu, Mlp, Preallocated, Result, median};
+use mlp::{Allocator, Buffer, Cached, Cudarc, Dims, Gpu, Mlp, Preallocated, Result, median};
 
 const LEARNING_RATE: f32 = 0.01;
+/// The cache of the eager variant (and of the host-work measurement).
+const EAGER_CACHE: &str = "step_bench";
 
 /// Where a variant's buffers come from.
 enum Source {
@@ -60,9 +77,42 @@ struct Variant {
     source: Source,
     model: Mlp,
     loss: Array<f32>,
+    /// Steps run (timed or not): the loss sums over all of them.
     steps: usize,
-    /// Mean step time of each counted round, µs.
-    times: Vec<f64>,
+    times: Times,
+}
+
+/// A variant's timings: the timed steps of the round in progress, and the mean step time of
+/// each counted round.
+#[derive(Default)]
+struct Times {
+    steps: usize,
+    total: f64,
+    rounds: Vec<f64>,
+}
+
+impl Times {
+    fn add(&mut self, steps: usize, total: f64) {
+        self.steps += steps;
+        self.total += total;
+    }
+
+    /// Ends a round; keeps its mean when `counted`.
+    fn end_round(&mut self, counted: bool) {
+        if counted {
+            self.rounds.push(self.total / self.steps as f64);
+        }
+        (self.steps, self.total) = (0, 0.0);
+    }
+}
+
+/// How long a benchmark runs: `rounds` counted rounds (after one warm-up round) of `passes`
+/// passes, in which each variant runs one untimed step and `steps` timed ones.
+#[derive(Clone, Copy)]
+struct Plan {
+    rounds: usize,
+    passes: usize,
+    steps: usize,
 }
 
 /// Sets the release threshold of `stream`'s device's default memory pool and trims the pool
@@ -91,62 +141,96 @@ impl Variant {
             model: Mlp::new(dev, dims, 42)?,
             loss: Array::zeros(dev, 1)?,
             steps: 0,
-            times: Vec::new(),
+            times: Times::default(),
         })
     }
 
-    /// Runs `steps` steps; returns the mean step time in µs.
-    fn round(&mut self, gpu: &Gpu, x: &Array<f32>, y: &Array<f32>, steps: usize) -> Result<f64> {
+    /// One step, up to its synchronisation.
+    fn step(&mut self, gpu: &Gpu, x: &Array<f32>, y: &Array<f32>) -> Result<()> {
+        let (model, loss) = (&mut self.model, &mut self.loss);
+        let cached = Cached(gpu.dev);
+        match &mut self.source {
+            Source::Preallocated(pre) => {
+                pre.rewind();
+                model.step(pre, gpu, x, y, loss, LEARNING_RATE)?;
+            }
+            Source::HandGraph(pre, graph) => {
+                if graph.is_none() {
+                    pre.rewind();
+                    let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+                    gpu.stream.begin_capture(mode)?;
+                    model.step(pre, gpu, x, y, loss, LEARNING_RATE)?;
+                    *graph = gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
+                }
+                graph.as_ref().ok_or("empty graph")?.launch()?;
+            }
+            Source::Eager => {
+                let _scope = gpucache::enter(EAGER_CACHE);
+                model.step(&cached, gpu, x, y, loss, LEARNING_RATE)?;
+            }
+            Source::Graph(graph) => {
+                graph.run(|| model.step(&cached, gpu, x, y, loss, LEARNING_RATE))?;
+            }
+            Source::Pool(_) => {
+                let alloc = Cudarc(Arc::clone(&gpu.stream));
+                model.step(&alloc, gpu, x, y, loss, LEARNING_RATE)?;
+            }
+        }
+        gpu.stream.synchronize()?;
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// One turn: an untimed step, then `steps` timed ones, added to the round's time.
+    fn turn(&mut self, gpu: &Gpu, x: &Array<f32>, y: &Array<f32>, steps: usize) -> Result<()> {
         if let Source::Pool(threshold) = self.source {
             set_release_threshold(&gpu.stream, threshold)?;
         }
-        let (model, loss) = (&mut self.model, &mut self.loss);
-        let cached = Cached(gpu.dev);
-        gpu.stream.synchronize()?;
+        self.step(gpu, x, y)?;
         let start = Instant::now();
         for _ in 0..steps {
-            match &mut self.source {
-                Source::Preallocated(pre) => {
-                    pre.rewind();
-                    model.step(pre, gpu, x, y, loss, LEARNING_RATE)?;
-                }
-                Source::HandGraph(pre, graph) => {
-                    if graph.is_none() {
-                        pre.rewind();
-                        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-                        gpu.stream.begin_capture(mode)?;
-                        model.step(pre, gpu, x, y, loss, LEARNING_RATE)?;
-                        *graph = gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
-                    }
-                    graph.as_ref().ok_or("empty graph")?.launch()?;
-                }
-                Source::Eager => {
-                    let _scope = gpucache::enter("step_bench");
-                    model.step(&cached, gpu, x, y, loss, LEARNING_RATE)?;
-                }
-                Source::Graph(graph) => {
-                    graph.run(|| model.step(&cached, gpu, x, y, loss, LEARNING_RATE))?;
-                }
-                Source::Pool(_) => {
-                    model.step(
-                        &Cudarc(Arc::clone(&gpu.stream)),
-                        gpu,
-                        x,
-                        y,
-                        loss,
-                        LEARNING_RATE,
-                    )?;
-                }
-            }
-            gpu.stream.synchronize()?;
+            self.step(gpu, x, y)?;
         }
-        self.steps += steps;
-        Ok(start.elapsed().as_secs_f64() * 1e6 / steps as f64)
+        self.times.add(steps, start.elapsed().as_secs_f64() * 1e6);
+        Ok(())
     }
 }
 
-/// Benchmarks one model size; prints its table.
-fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize, tracking: bool) -> Result<()> {
+/// Runs `plan`: `turn` on each of `items` once per pass, in an order shuffled for each pass;
+/// ends each round in every item's [`Times`] (round 0 is not counted).
+fn interleave<T>(
+    items: &mut [T],
+    plan: Plan,
+    mut turn: impl FnMut(&mut T) -> Result<()>,
+    times: impl Fn(&mut T) -> &mut Times,
+) -> Result<()> {
+    let mut rng = fastrand::Rng::with_seed(0x5eed);
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    for round in 0..=plan.rounds {
+        for _ in 0..plan.passes {
+            rng.shuffle(&mut order);
+            for &i in &order {
+                turn(&mut items[i])?;
+            }
+        }
+        for item in items.iter_mut() {
+            times(item).end_round(round > 0);
+        }
+    }
+    Ok(())
+}
+
+/// `f(a, b)` of each round's `a` and `b`: the median, min and max over rounds.
+fn per_round(a: &[f64], b: &[f64], f: impl Fn(f64, f64) -> f64) -> (f64, f64, f64) {
+    let v: Vec<f64> = a.iter().zip(b).map(|(&a, &b)| f(a, b)).collect();
+    let (lo, hi) = v
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    (median(v), lo, hi)
+}
+
+/// Benchmarks one model size; prints its table and the host work of its buffers.
+fn bench(gpu: &Gpu, dims: Dims, plan: Plan, tracking: bool) -> Result<()> {
     let dev = gpu.dev;
     let data = dims.data(gpu, 1, 1)?;
     let (x, y) = &data[0];
@@ -178,16 +262,12 @@ fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize, tracking: bool) -> 
             dev,
         )?);
     }
-    let n = variants.len();
-    for round in 0..=rounds {
-        for i in 0..n {
-            let v = &mut variants[(i + round) % n];
-            let t = v.round(gpu, x, y, steps)?;
-            if round > 0 {
-                v.times.push(t);
-            }
-        }
-    }
+    interleave(
+        &mut variants,
+        plan,
+        |v| v.turn(gpu, x, y, plan.steps),
+        |v| &mut v.times,
+    )?;
     set_release_threshold(&gpu.stream, 0)?;
     if let Source::Graph(graph) = &variants[2].source {
         if !graph.is_captured() || graph.captures() != 1 {
@@ -207,28 +287,30 @@ fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize, tracking: bool) -> 
         output,
         layers,
     } = dims;
+    let Plan {
+        rounds,
+        passes,
+        steps,
+    } = plan;
     println!(
         "\nMLP {layers} layers {input}-{hidden}-...-{output}, batch {batch}, {} buffers per \
-         step; {rounds} rounds of {steps} steps (median over rounds; ratio to preallocated in \
-         the same round, median [min, max])",
+         step; {rounds} rounds of {passes} passes, each variant 1 untimed + {steps} timed \
+         steps per pass, in shuffled order (median over rounds; ratio to preallocated in the \
+         same round, median [min, max])",
         dims.step_buffers().len()
     );
     println!("| variant | step time (µs) | ratio to preallocated | mean loss |");
     println!("|---|---:|---:|---:|");
-    let base = variants[0].times.clone();
+    let base = variants[0].times.rounds.clone();
     let mut losses = Vec::new();
     for v in &variants {
-        let ratios: Vec<f64> = v.times.iter().zip(&base).map(|(t, b)| t / b).collect();
-        let (lo, hi) = ratios
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        let (r, lo, hi) = per_round(&v.times.rounds, &base, |t, b| t / b);
         let loss = f64::from(v.loss.to_vec()?[0]) / v.steps as f64;
         losses.push(loss);
         println!(
-            "| {} | {:.1} | {:.3}x [{lo:.3}, {hi:.3}] | {loss:.6} |",
+            "| {} | {:.1} | {r:.3}x [{lo:.3}, {hi:.3}] | {loss:.6} |",
             v.label,
-            median(v.times.clone()),
-            median(ratios),
+            median(v.times.rounds.clone()),
         );
     }
     let (eager, replay) = (losses[1], losses[2]);
@@ -237,14 +319,89 @@ fn bench(gpu: &Gpu, dims: Dims, rounds: usize, steps: usize, tracking: bool) -> 
          difference {:.1e})",
         (eager - replay).abs() / eager.abs().max(f64::MIN_POSITIVE)
     );
+    host_work(gpu, &dims, rounds, median(base))?;
     drop(variants);
-    gpucache::invalidate("step_bench");
+    gpucache::invalidate(EAGER_CACHE);
     gpucache::invalidate("step_bench_graph");
     Ok(())
 }
 
+/// The host side of a step's buffers, no device work: allocates the step's buffers (all
+/// `empty`), pushes each as a kernel argument three times into a launch that is never made,
+/// and drops them.
+fn buffers<A: Allocator>(alloc: &A, gpu: &Gpu, sizes: &[usize]) -> Result<()> {
+    let bufs = sizes
+        .iter()
+        .map(|&n| alloc.empty(n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut args = gpu.stream.launch_builder(&gpu.k.sgd);
+    for buf in &bufs {
+        for _ in 0..3 {
+            buf.input(&mut args);
+        }
+    }
+    drop(args);
+    drop(bufs);
+    Ok(())
+}
+
+/// Times [`buffers`] with preallocated buffers (`Some`) and with gpucache (`None`: a scope per
+/// step), turn by turn as the steps are; prints the difference per step and its share of
+/// `step_us`, the preallocated step's time.
+fn host_work(gpu: &Gpu, dims: &Dims, rounds: usize, step_us: f64) -> Result<()> {
+    let sizes = dims.step_buffers();
+    let mut pre = Preallocated::new(Arc::clone(&gpu.stream));
+    pre.allocate(&sizes)?;
+    let cached = Cached(gpu.dev);
+    let mut sides = [(Some(pre), Times::default()), (None, Times::default())];
+    let plan = Plan {
+        rounds,
+        passes: 20,
+        steps: 200,
+    };
+    let step = |pre: &mut Option<Preallocated>| match pre {
+        Some(pre) => {
+            pre.rewind();
+            buffers(pre, gpu, &sizes)
+        }
+        None => {
+            let _scope = gpucache::enter(EAGER_CACHE);
+            buffers(&cached, gpu, &sizes)
+        }
+    };
+    // As for the steps: an untimed iteration, then the timed ones.
+    let turn = |(pre, times): &mut (Option<Preallocated>, Times)| -> Result<()> {
+        step(pre)?;
+        let start = Instant::now();
+        for _ in 0..plan.steps {
+            step(pre)?;
+        }
+        times.add(plan.steps, start.elapsed().as_secs_f64() * 1e9);
+        Ok(())
+    };
+    let misses = gpucache::stats(EAGER_CACHE).misses;
+    interleave(&mut sides, plan, turn, |(_, times)| times)?;
+    if gpucache::stats(EAGER_CACHE).misses != misses {
+        return Err("the host-work measurement missed the warm cache".into());
+    }
+    let [(_, pre), (_, gpucache)] = &sides;
+    let (pre, gpucache) = (&pre.rounds, &gpucache.rounds);
+    let (diff, lo, hi) = per_round(gpucache, pre, |g, p| g - p);
+    println!(
+        "host work of the step's {} buffers alone (allocate, 3 kernel-argument pushes each, \
+         drop; no device work), {rounds} rounds: preallocated {:.0} ns, gpucache eager {:.0} ns \
+         (scope entry and exit included); gpucache - preallocated: {diff:.0} ns per step \
+         [{lo:.0}, {hi:.0}], {:.2}% of the preallocated step",
+        sizes.len(),
+        median(pre.clone()),
+        median(gpucache.clone()),
+        diff / 1e3 / step_us * 100.0,
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
-    let mut rounds = 9;
+    let mut rounds = 21;
     let mut tracking = true;
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
@@ -286,7 +443,19 @@ fn main() -> Result<()> {
         output: 64,
         layers: 4,
     };
-    bench(&gpu, small, rounds, 300, tracking)?;
-    bench(&gpu, large, rounds, 20, tracking)?;
+    // A pass takes about 10 ms of each variant's steps on the small model and 20 ms on the
+    // large one; a round, a few hundred ms of each.
+    let small_plan = Plan {
+        rounds,
+        passes: 30,
+        steps: 10,
+    };
+    let large_plan = Plan {
+        rounds,
+        passes: 5,
+        steps: 4,
+    };
+    bench(&gpu, small, small_plan, tracking)?;
+    bench(&gpu, large, large_plan, tracking)?;
     Ok(())
 }

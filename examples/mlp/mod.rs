@@ -59,7 +59,7 @@ pub struct Kernels {
     relu_back: CudaFunction,
     col_sum: CudaFunction,
     tanh: CudaFunction,
-    sgd: CudaFunction,
+    pub sgd: CudaFunction,
 }
 
 /// What a step runs on: the device, the thread's current stream (where gpucache allocates),

@@ -14,6 +14,12 @@
 //! over the rounds and the median (min–max) of each round's efficiency, `rate(N) / (N × rate(1))`
 //! from the same round. The numbers are only meaningful on a machine with at least as many idle
 //! cores as threads.
+//!
+//! A baseline, `cpu arithmetic`, runs a chain of multiplies that touches no memory (about as
+//! long as one cache iteration): its efficiency is what the machine itself gives N busy threads
+//! (clock speed falls as more cores are busy). The last column divides each variant's
+//! efficiency by the baseline's from the same round: below 1, the variant itself scales worse
+//! than the cores do.
 
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
@@ -27,11 +33,13 @@ const SCOPE: &str = "bench-threads";
 /// Elements of the array each iteration allocates: 1 KiB of `f32`.
 const LEN: usize = 256;
 /// How long each thread loops in one measurement.
-const SPAN: Duration = Duration::from_millis(150);
+const SPAN: Duration = Duration::from_millis(250);
 
 /// One thing to measure.
 #[derive(Clone, Copy, Debug)]
 enum Variant {
+    /// A chain of dependent multiplies, no memory: how the machine scales.
+    Arithmetic,
     /// enter + `Array::empty` + drop + exit on `Device::Cpu`.
     CpuCache,
     /// The same on a CUDA device.
@@ -45,6 +53,7 @@ enum Variant {
 impl Variant {
     fn label(self) -> &'static str {
         match self {
+            Variant::Arithmetic => "cpu arithmetic",
             Variant::CpuCache => "cpu gpucache",
             #[cfg(feature = "cuda")]
             Variant::CudaCache(_) => "cuda gpucache",
@@ -56,6 +65,7 @@ impl Variant {
     /// Runs iterations for [`SPAN`] after `start` opens; returns how many and how long.
     fn run_thread(self, start: &Barrier) -> (u64, Duration) {
         let step: Box<dyn Fn()> = match self {
+            Variant::Arithmetic => Box::new(arithmetic),
             Variant::CpuCache => Box::new(|| cached_step(Device::Cpu)),
             #[cfg(feature = "cuda")]
             Variant::CudaCache(dev) => {
@@ -87,6 +97,15 @@ impl Variant {
 fn cached_step(dev: Device) {
     let _scope = gpucache::enter(SCOPE);
     black_box(Array::<f32>::empty(dev, LEN).expect("allocation"));
+}
+
+/// About as long as [`cached_step`] on the CPU, with no memory traffic at all.
+fn arithmetic() {
+    let mut x = black_box(0x9E37_79B9_7F4A_7C15u64);
+    for _ in 0..64 {
+        x = x.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ (x >> 29);
+    }
+    black_box(x);
 }
 
 /// A new stream on `dev`, made the thread's current one.
@@ -123,6 +142,7 @@ fn variants() -> Vec<Variant> {
     match Device::cuda(0) {
         Ok(dev) => {
             return vec![
+                Variant::Arithmetic,
                 Variant::CpuCache,
                 Variant::CudaCache(dev),
                 Variant::CudaAllocAsync(dev),
@@ -130,12 +150,18 @@ fn variants() -> Vec<Variant> {
         }
         Err(e) => eprintln!("notice: CUDA variants skipped: {e}"),
     }
-    vec![Variant::CpuCache]
+    vec![Variant::Arithmetic, Variant::CpuCache]
 }
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// `median (min-max)` of `v`.
+fn spread(mut v: Vec<f64>) -> String {
+    let m = median(&mut v);
+    format!("{m:.2} ({:.2}-{:.2})", v[0], v[v.len() - 1])
 }
 
 fn env_list(var: &str, default: &[usize]) -> Vec<usize> {
@@ -167,28 +193,26 @@ fn main() {
         }
     }
     println!(
-        "{:<22} {:>7} {:>14} {:>10}  efficiency rate(N)/(N*rate(1)): median (min-max)",
-        "variant", "threads", "Mops/s median", "per thread"
+        "{:<22} {:>7} {:>14} {:>10}  {:<28} vs arithmetic: median (min-max)",
+        "variant", "threads", "Mops/s median", "per thread", "efficiency: median (min-max)",
     );
+    // Efficiency of variant `v` at count `c` in round `r`; the baseline is variant 0.
+    let eff = |v: usize, c: usize, r: usize| {
+        rates[v][c][r] / (counts[c] as f64 * rates[v][0][r] / counts[0] as f64)
+    };
     for (v, variant) in variants.iter().enumerate() {
         for (c, &n) in counts.iter().enumerate() {
-            let mut eff: Vec<f64> = (0..rounds)
-                .map(|r| rates[v][c][r] / (n as f64 * rates[v][0][r] / counts[0] as f64))
-                .collect();
-            let (lo, hi) = (
-                eff.iter().copied().fold(f64::INFINITY, f64::min),
-                eff.iter().copied().fold(0.0, f64::max),
-            );
+            let own: Vec<f64> = (0..rounds).map(|r| eff(v, c, r)).collect();
+            let relative: Vec<f64> = (0..rounds).map(|r| eff(v, c, r) / eff(0, c, r)).collect();
             let rate = median(&mut rates[v][c].clone()) / 1e6;
             println!(
-                "{:<22} {:>7} {:>14.2} {:>10.2}  {:.2} ({:.2}-{:.2})",
+                "{:<22} {:>7} {:>14.2} {:>10.2}  {:<28} {}",
                 variant.label(),
                 n,
                 rate,
                 rate / n as f64,
-                median(&mut eff),
-                lo,
-                hi
+                spread(own),
+                spread(relative)
             );
         }
     }

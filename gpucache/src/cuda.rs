@@ -287,7 +287,9 @@ impl<T: Element> Array<T> {
             backend::ordinal(self.device())?;
             return Ok(None);
         };
-        block.cuda().map(Some).ok_or(Error::DeviceMismatch {
+        // `ok_or_else`: this is on the path of every kernel argument and cudarc call, where
+        // building (and dropping) an unused error costs a call.
+        block.cuda().map(Some).ok_or_else(|| Error::DeviceMismatch {
             expected: Device::Cuda(0),
             found: self.device(),
         })

@@ -116,19 +116,18 @@ impl fmt::Display for Bytes {
 /// scope of that cache bypasses it: it is allocated from the device and freed when it drops.
 pub(crate) const MAX_DEVICES: usize = 16;
 
-/// The byte gauges of one cache on one device. Written only by the holder of the cache's lock.
-#[derive(Debug, Default)]
-pub(crate) struct Gauge {
-    /// 0 while unused; otherwise the device's [`device_code`]. Set once, before any other field
-    /// is written.
-    tag: AtomicU64,
+/// The byte gauges of one cache on one device (borrowed from [`Counters`], which keeps each
+/// field in an array of its own, so that the hot paths reach one with a scaled index). Written
+/// only by the holder of the cache's lock.
+#[derive(Clone, Copy)]
+pub(crate) struct Gauge<'a> {
     /// Bytes of every buffer the cache holds from the device, busy or free.
-    pub(crate) held: AtomicU64,
+    pub(crate) held: &'a AtomicU64,
     /// Bytes of buffers in the free lists.
-    pub(crate) cached: AtomicU64,
+    pub(crate) cached: &'a AtomicU64,
     /// Bytes of buffers whose arrays dropped but that are not free yet: dropped inside a scope
     /// that has not exited (`Reuse::OnExit`), or waiting for work on another stream.
-    pub(crate) waiting: AtomicU64,
+    pub(crate) waiting: &'a AtomicU64,
 }
 
 /// A number for `device`, never 0.
@@ -171,7 +170,13 @@ pub(crate) struct Counters {
     pub(crate) peak_bytes: AtomicU64,
     pub(crate) invalidations: AtomicU64,
     pub(crate) evictions: AtomicU64,
-    pub(crate) devices: [Gauge; MAX_DEVICES],
+    /// Per gauge: 0 while unused, otherwise its device's [`device_code`]. Set once, before the
+    /// gauge's bytes are written.
+    tags: [AtomicU64; MAX_DEVICES],
+    /// Per gauge: the fields of [`Gauge`].
+    held: [AtomicU64; MAX_DEVICES],
+    cached: [AtomicU64; MAX_DEVICES],
+    waiting: [AtomicU64; MAX_DEVICES],
 }
 
 /// Adds `n` to a counter written only by the lock holder.
@@ -200,33 +205,38 @@ impl Counters {
             return Some(g);
         }
         let i = self.used().count();
-        let gauge = self.devices.get(i)?;
-        gauge.tag.store(device_code(device), Release);
+        self.tags.get(i)?.store(device_code(device), Release);
         Some(i as u8)
     }
 
     /// The claimed gauges with their device codes, in claim order.
-    fn used(&self) -> impl Iterator<Item = (u64, &Gauge)> {
-        self.devices
+    fn used(&self) -> impl Iterator<Item = (u64, Gauge<'_>)> {
+        self.tags
             .iter()
-            .map(|g| (g.tag.load(Acquire), g))
+            .zip(0u8..)
+            .map(|(tag, g)| (tag.load(Acquire), self.gauge(g)))
             .take_while(|&(code, _)| code != 0)
     }
 
     /// The gauge at index `g` (`< MAX_DEVICES`; the mask spares the hot path a bounds check).
     #[inline(always)]
-    pub(crate) fn gauge(&self, g: u8) -> &Gauge {
+    pub(crate) fn gauge(&self, g: u8) -> Gauge<'_> {
         const { assert!(MAX_DEVICES.is_power_of_two()) };
-        &self.devices[g as usize & (MAX_DEVICES - 1)]
+        let i = g as usize & (MAX_DEVICES - 1);
+        Gauge {
+            held: &self.held[i],
+            cached: &self.cached[i],
+            waiting: &self.waiting[i],
+        }
     }
 
     /// The device of gauge `g` (a claimed one).
     pub(crate) fn gauge_device(&self, g: u8) -> Device {
-        device_of(self.gauge(g).tag.load(Acquire))
+        device_of(self.tags[g as usize & (MAX_DEVICES - 1)].load(Acquire))
     }
 
     /// Bytes in the free lists, over every device.
-    pub(crate) fn cached(&self) -> usize {
+    pub(crate) fn cached_total(&self) -> usize {
         self.used()
             .map(|(_, g)| g.cached.load(Relaxed) as usize)
             .sum()
@@ -236,7 +246,7 @@ impl Counters {
     #[inline]
     pub(crate) fn allocated(&self, g: u8, bytes: usize) {
         add(&self.device_allocs, 1);
-        add(&self.gauge(g).held, bytes);
+        add(self.gauge(g).held, bytes);
         let held: u64 = self.used().map(|(_, g)| g.held.load(Relaxed)).sum();
         self.peak_bytes.fetch_max(held, Relaxed);
     }
@@ -245,7 +255,7 @@ impl Counters {
     #[inline]
     pub(crate) fn freed(&self, g: u8, bytes: usize) {
         add(&self.device_frees, 1);
-        sub(&self.gauge(g).held, bytes);
+        sub(self.gauge(g).held, bytes);
     }
 
     /// Restarts the peak from the bytes held now (any thread).

@@ -413,20 +413,26 @@ impl CudaBuf {
     }
 
     /// The owner dropped: record an event on each marked stream, so the buffer is reused (or
-    /// freed) only after the work queued there so far.
+    /// freed) only after the work queued there so far. Inlined: it runs on every array drop,
+    /// and there is usually nothing to do.
+    #[inline]
     pub(crate) fn end_use(&mut self) {
-        let watchers = self.watchers.get_mut();
-        if !watchers.is_empty() {
-            for w in watchers.drain(..) {
-                w.store(false, std::sync::atomic::Ordering::Release);
-            }
+        if !self.watchers.get_mut().is_empty() || !self.marked.get_mut().is_empty() {
+            self.end_use_slow();
         }
-        let marked = self.marked.get_mut();
-        if marked.is_empty() || self.view {
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn end_use_slow(&mut self) {
+        for w in self.watchers.get_mut().drain(..) {
+            w.store(false, std::sync::atomic::Ordering::Release);
+        }
+        if self.view {
             // A view's marks go to the buffer it is a view of (`hand_marks_to`).
             return;
         }
-        for stream in marked.drain(..) {
+        for stream in self.marked.get_mut().drain(..) {
             match stream.record_event(None) {
                 Ok(event) => self.events.push(event),
                 // No event: wait for the stream here instead (a failing driver has bigger

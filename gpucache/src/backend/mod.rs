@@ -241,6 +241,7 @@ impl Block {
     /// The block's array dropped: device backends record events for the work queued so far
     /// on the streams the array was marked as used on (so [`Block::is_idle`] can tell when it
     /// is done). Nothing to do for host memory.
+    #[inline]
     pub(crate) fn end_use(&mut self) {
         match &mut *self.storage {
             Storage::Host(_) => {}

@@ -22,13 +22,18 @@ pub(super) struct Free {
     stamp: u64,
 }
 
-/// The free list of one key.
+/// The free list of one key: what the hit path and the drop path touch, kept small (the rest
+/// is in [`SlotMeta`]).
 pub(super) struct Slot {
-    pub(super) device: Device,
-    /// The device's gauge in the cache's counters.
-    pub(super) gauge: u8,
     /// Oldest first; hits take the newest.
     free: Vec<Free>,
+    /// The device's gauge in the cache's counters.
+    pub(super) gauge: u8,
+}
+
+/// What else is known of a free list, off the hot paths.
+pub(super) struct SlotMeta {
+    pub(super) device: Device,
     /// The key (for recorded events).
     pub(super) key: Key,
 }
@@ -41,6 +46,8 @@ pub(super) struct Inner {
     pub(super) generation: u32,
     keys: HashTable<Entry>,
     pub(super) slots: Vec<Slot>,
+    /// Indexed like `slots`.
+    pub(super) meta: Vec<SlotMeta>,
     /// Buffers dropped inside an active scope under `Reuse::OnExit`: free when it exits.
     pending: Vec<(u32, Block)>,
     /// Buffers whose memory a device may still be using on another stream (see
@@ -70,6 +77,7 @@ impl Inner {
             generation: 0,
             keys: HashTable::new(),
             slots: Vec::new(),
+            meta: Vec::new(),
             pending: Vec::new(),
             deferred: Vec::new(),
             lru: VecDeque::new(),
@@ -121,9 +129,11 @@ impl Inner {
             slot,
         };
         self.slots.push(Slot {
-            device: req.device,
-            gauge,
             free: Vec::new(),
+            gauge,
+        });
+        self.meta.push(SlotMeta {
+            device: req.device,
             key: entry.key.clone(),
         });
         self.keys.insert_unique(entry.hash, entry, |e| e.hash);
@@ -143,7 +153,7 @@ impl Inner {
         let Free { block, .. } = list.free.pop()?;
         self.live += 1;
         add(&st.hits, 1);
-        sub(&st.gauge(list.gauge).cached, block.bytes());
+        sub(st.gauge(list.gauge).cached, block.bytes());
         Some(block)
     }
 
@@ -158,56 +168,71 @@ impl Inner {
         block: Block,
     ) {
         self.live -= 1;
-        let g = self.gauge(slot);
         if generation != self.generation {
             self.free(st, slot, block);
         } else if active && self.config.reuse == Reuse::OnExit {
-            add(&st.gauge(g).waiting, block.bytes());
+            add(st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.pending.push((slot, block));
         } else if !block.is_idle() {
-            add(&st.gauge(g).waiting, block.bytes());
+            add(st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.deferred.push((slot, block));
         } else {
-            self.push_free(st, slot, g, block);
+            self.push_free(st, slot, block, false);
         }
     }
 
     /// Moves the deferred buffers whose device work has completed to the free lists.
+    #[inline(always)]
     pub(super) fn poll_deferred(&mut self, st: &Counters) {
-        if self.deferred.is_empty() {
-            return;
+        if !self.deferred.is_empty() {
+            self.poll_deferred_some(st);
         }
+    }
+
+    #[inline(never)]
+    fn poll_deferred_some(&mut self, st: &Counters) {
         let (idle, busy): (Vec<_>, Vec<_>) = mem::take(&mut self.deferred)
             .into_iter()
             .partition(|(_, b)| b.is_idle());
         self.deferred = busy;
         let moved = !idle.is_empty();
         for (slot, block) in idle {
-            let g = self.gauge(slot);
-            sub(&st.gauge(g).waiting, block.bytes());
-            self.push_free(st, slot, g, block);
+            self.push_free(st, slot, block, true);
         }
         if moved && trace::on() {
             self.note_bytes(st);
         }
     }
 
-    /// Puts `block` on the free list `slot` (of gauge `g`).
+    /// Puts `block` on the free list `slot`; `waited`: it was counted as waiting until now.
     #[inline(always)]
-    pub(super) fn push_free(&mut self, st: &Counters, slot: u32, g: u8, block: Block) {
-        add(&st.gauge(g).cached, block.bytes());
+    pub(super) fn push_free(&mut self, st: &Counters, slot: u32, block: Block, waited: bool) {
+        let list = &mut self.slots[slot as usize];
+        let gauge = st.gauge(list.gauge);
+        if waited {
+            sub(gauge.waiting, block.bytes());
+        }
+        add(gauge.cached, block.bytes());
         self.clock += 1;
-        let stamp = self.clock;
-        self.slots[slot as usize].free.push(Free { block, stamp });
-        if self.config.max_cached_bytes.is_some() {
-            self.note_free_capped(st, stamp, slot);
+        let free = Free {
+            block,
+            stamp: self.clock,
+        };
+        // The cap is tested first, so that nothing stays live across the push.
+        if self.config.max_cached_bytes.is_none() {
+            list.free.push(free);
+        } else {
+            self.push_free_capped(st, slot, free);
         }
     }
 
-    /// Under a byte cap: records a freed buffer in the LRU order and evicts down to the cap.
+    /// Under a byte cap: pushes a freed buffer, records it in the LRU order and evicts down to
+    /// the cap.
     #[cold]
-    pub(super) fn note_free_capped(&mut self, st: &Counters, stamp: u64, slot: u32) {
-        self.lru.push_back((stamp, slot));
+    #[inline(never)]
+    fn push_free_capped(&mut self, st: &Counters, slot: u32, free: Free) {
+        self.lru.push_back((free.stamp, slot));
+        self.slots[slot as usize].free.push(free);
         if self.lru.len() > self.lru_limit {
             self.rebuild_lru();
         }
@@ -230,9 +255,7 @@ impl Inner {
         let mut pending = mem::take(&mut self.pending);
         for (slot, block) in pending.drain(..) {
             if block.is_idle() {
-                let g = self.gauge(slot);
-                sub(&st.gauge(g).waiting, block.bytes());
-                self.push_free(st, slot, g, block);
+                self.push_free(st, slot, block, true);
             } else {
                 self.deferred.push((slot, block));
             }
@@ -246,18 +269,18 @@ impl Inner {
     /// deferred (freeing waits for their device work, as the backend's free does).
     pub(super) fn free_waiting(&mut self, st: &Counters, device: Option<Device>) {
         let on =
-            |slots: &[Slot], slot: u32| device.is_none_or(|d| d == slots[slot as usize].device);
+            |meta: &[SlotMeta], slot: u32| device.is_none_or(|d| d == meta[slot as usize].device);
         let mut freed = Vec::new();
         for list in [&mut self.pending, &mut self.deferred] {
             let (take, keep) = mem::take(list)
                 .into_iter()
-                .partition(|&(slot, _)| on(&self.slots, slot));
+                .partition(|&(slot, _)| on(&self.meta, slot));
             *list = keep;
             freed.extend::<Vec<_>>(take);
         }
         for (slot, block) in freed {
             let g = self.gauge(slot);
-            sub(&st.gauge(g).waiting, block.bytes());
+            sub(st.gauge(g).waiting, block.bytes());
             self.free(st, slot, block);
         }
     }
@@ -265,13 +288,13 @@ impl Inner {
     /// Frees the free lists (of `device`, or all).
     pub(super) fn flush(&mut self, st: &Counters, device: Option<Device>) {
         let mut freed = Vec::new();
-        for (list, slot) in self.slots.iter_mut().zip(0u32..) {
-            if device.is_none_or(|d| d == list.device) {
+        for ((list, meta), slot) in self.slots.iter_mut().zip(&self.meta).zip(0u32..) {
+            if device.is_none_or(|d| d == meta.device) {
                 freed.extend(list.free.drain(..).map(|f| (slot, list.gauge, f.block)));
             }
         }
         for (slot, g, block) in freed {
-            sub(&st.gauge(g).cached, block.bytes());
+            sub(st.gauge(g).cached, block.bytes());
             self.free(st, slot, block);
         }
     }
@@ -325,7 +348,7 @@ impl Inner {
         let Some(cap) = self.config.max_cached_bytes else {
             return;
         };
-        while st.cached() > cap {
+        while st.cached_total() > cap {
             let Some((stamp, slot)) = self.lru.pop_front() else {
                 break;
             };
@@ -335,7 +358,7 @@ impl Inner {
             if list.free.first().is_some_and(|f| f.stamp == stamp) {
                 let Free { block, .. } = list.free.remove(0);
                 let g = list.gauge;
-                sub(&st.gauge(g).cached, block.bytes());
+                sub(st.gauge(g).cached, block.bytes());
                 add(&st.evictions, 1);
                 #[cfg(feature = "tracing")]
                 tracing::debug!(

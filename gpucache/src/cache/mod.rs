@@ -1,32 +1,34 @@
 //! One named cache of one thread: free lists by key, busy accounting, configuration, eviction.
 //!
-//! This file holds the cell, its lock and the hit path; [`key`] the free-list keys and their
-//! hash; [`lists`] the state behind the lock (key table, free lists, least-recently-freed order,
-//! buffers waiting for the scope's exit); [`remote`] what other threads write (returned buffers,
-//! requests, the state after the owner exits).
+//! This file holds the cell and the hit path; [`key`] the free-list keys and their hash;
+//! [`lists`] the state behind the lock (key table, free lists, least-recently-freed order,
+//! buffers waiting for the scope's exit); [`lock`] the cell's lock and the hints other threads
+//! leave with it; [`remote`] what other threads write (returned buffers, requests, the state
+//! after the owner exits).
 //!
 //! # Who touches what
 //!
 //! A [`CacheCell`] belongs to the thread that created it (its *owner*). Its state ([`Inner`]: the
-//! key map, the free lists, the buffers waiting for the scope to exit) sits behind `lock`, a raw
-//! mutex with a twist: the owner takes it when the cache's outermost scope is entered and keeps
-//! it until that scope exits. Inside a scope every allocation and every drop on the owner thread
-//! therefore works on `Inner` directly, with no atomic read-modify-write and nothing another
-//! thread contends for. Outside a scope the owner takes the lock for each operation.
+//! key map, the free lists, the buffers waiting for the scope to exit) sits behind `lock`, a
+//! one-byte lock with a twist: the owner takes it when the cache's outermost scope is entered and
+//! keeps it until that scope exits. Inside a scope every allocation and every drop on the owner
+//! thread therefore works on `Inner` directly, with no atomic read-modify-write and nothing
+//! another thread contends for. Outside a scope the owner takes the lock for each operation.
 //!
 //! Other threads touch a cache in three ways only:
 //! * Dropping an array whose buffer came from it: the buffer goes into the cache's `remote`
-//!   queue (its own mutex, on its own cache lines). The owner takes the queue in when a scope of
-//!   the cache is entered (those buffers are free for the step), when it misses (they become
-//!   free when the scope exits), when a scope exits and when it reads its stats. The owner's
-//!   hits never look at the queue.
+//!   queue (its own mutex, on its own cache lines), and a hint is set in the lock's byte. The
+//!   owner takes the queue in when a scope of the cache is entered (those buffers are free for
+//!   the step), when it misses (they become free when the scope exits), when a scope exits and
+//!   when it reads its stats. The owner's hits never look at the queue.
 //! * Giving the queue back to the device ([`CacheCell::free_returned`]: `empty_cache`,
 //!   `invalidate` and out-of-memory recovery). The queue is not the scope's state, so any thread
 //!   may do this at any time; the bytes it freed are accounted by the next holder of the lock.
 //! * Requests (`empty_cache`, `invalidate`, `configure`, out-of-memory recovery): they are left
-//!   in the remote state and served by whichever thread holds the lock next, at once if it is
-//!   free (see [`CacheCell::request`]): a Dekker handshake on `requested` and the lock, with
-//!   SeqCst fences, so that a request is never missed and nobody blocks on a busy cache.
+//!   in the remote state, with a hint in the lock's byte, and served by whichever thread holds
+//!   the lock next, at once if it is free (see [`CacheCell::request`]). The lock bit and the
+//!   hint are one atomic, so a request is never missed, nobody blocks on a busy cache, and a
+//!   scope's entry and exit each cost one compare-exchange.
 //!
 //! # Lifetime
 //!
@@ -40,6 +42,7 @@
 mod arena;
 mod key;
 mod lists;
+mod lock;
 mod remote;
 mod traced;
 
@@ -47,10 +50,7 @@ use std::cell::{Cell, UnsafeCell};
 use std::mem;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering::*, fence};
-
-use parking_lot::RawMutex;
-use parking_lot::lock_api::RawMutex as _;
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering::*};
 
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy};
@@ -61,6 +61,7 @@ use crate::{DType, Device};
 use arena::VIEW_SLOT;
 pub(crate) use arena::bump;
 use lists::Inner;
+use lock::{CellLock, REQUESTED};
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, release_remote};
 
@@ -148,7 +149,8 @@ pub(crate) struct CacheCell {
     name: Box<str>,
     thread_name: Box<str>,
     owner: ThreadToken,
-    lock: RawMutex,
+    /// The lock, and the hints other threads leave for its holder (see [`lock`]).
+    lock: CellLock,
     /// Active scope entries; written and read by the owner only.
     depth: AtomicU32,
     /// [`CLOSED`]: set by the owner when its thread exits. [`TRACED`]: events of the cache are
@@ -196,7 +198,7 @@ impl CacheCell {
             name: name.into(),
             thread_name: thread_name.into(),
             owner,
-            lock: RawMutex::INIT,
+            lock: CellLock::default(),
             depth: AtomicU32::new(0),
             flags: AtomicU8::new(
                 if trace::on() { TRACED } else { 0 }
@@ -327,26 +329,21 @@ impl CacheCell {
         unsafe { &mut *self.inner.get() }
     }
 
-    /// Unlocks, then serves the requests other threads left while the lock was held. The common
-    /// case (no request) is inlined: the unlock, a fence and a load.
+    /// Gives the lock up, after serving the requests other threads left meanwhile. The common
+    /// case (no hint) is one compare-exchange, inlined.
     ///
     /// # Safety
     /// The calling thread holds `lock`, and no reference to the state is alive.
     #[inline(always)]
     unsafe fn unlock(&self) {
-        // SAFETY: the caller holds the lock.
-        unsafe { self.lock.unlock() };
-        // Pairs with the fence in `request`: either the requester's `try_lock` sees the lock
-        // free, or we see its request here. If another thread holds the lock again by then, it
-        // serves the request when it unlocks.
-        fence(SeqCst);
-        if self.remote.requested.load(SeqCst) && self.lock.try_lock() {
-            // SAFETY: we hold the lock again, and no reference to the state is alive.
+        if !self.lock.try_unlock_plain() {
+            // SAFETY: the caller's conditions.
             unsafe { self.serve_and_unlock() };
         }
     }
 
-    /// Serves the requests, unlocks, and serves those left meanwhile.
+    /// Serves requests until the lock can be given up with none waiting. Returned buffers stay
+    /// queued (their hint set) for the next [`CacheCell::drain_returned`].
     ///
     /// # Safety
     /// As [`CacheCell::unlock`].
@@ -354,22 +351,22 @@ impl CacheCell {
     #[inline(never)]
     unsafe fn serve_and_unlock(&self) {
         loop {
-            // SAFETY: (see `locked`) we hold the lock (the caller's, or re-taken below), and no
-            // other reference to the state is alive.
-            self.serve_requests(unsafe { self.locked() });
-            // SAFETY: as above.
-            unsafe { self.lock.unlock() };
-            // As in `unlock`.
-            fence(SeqCst);
-            if !self.remote.requested.load(SeqCst) || !self.lock.try_lock() {
+            {
+                // SAFETY: (see `locked`) we hold the lock, and no other reference to the state
+                // is alive.
+                let inner = unsafe { self.locked() };
+                if self.lock.take(REQUESTED) {
+                    self.serve_requests(inner);
+                }
+            }
+            if self.lock.unlock_unless_requested() {
                 return;
             }
         }
     }
 
-    /// Carries out what other threads asked for (lock holder).
+    /// Carries out what other threads asked for (lock holder, after taking the hint).
     fn serve_requests(&self, inner: &mut Inner) {
-        self.remote.requested.store(false, SeqCst);
         let requests = mem::take(&mut self.remote.state.lock().requests);
         self.drain_returned(inner, false);
         if let Some(config) = requests.config {
@@ -389,11 +386,9 @@ impl CacheCell {
     /// owner when its scope exits. Returns whether it was served at once.
     pub(crate) fn request(&self, add: impl FnOnce(&mut Requests)) -> bool {
         add(&mut self.remote.state.lock().requests);
-        self.remote.requested.store(true, SeqCst);
-        // Pairs with the fence in `unlock`.
-        fence(SeqCst);
+        // If the lock is held, its holder sees the hint when it unlocks (see `lock`).
         // Dropping the `Held` serves the request.
-        self.try_hold().is_some()
+        self.lock.set(REQUESTED) && self.try_hold().is_some()
     }
 
     fn hold(&self) -> Held<'_> {
@@ -423,12 +418,24 @@ impl CacheCell {
     pub(crate) fn enter(&self) {
         debug_assert!(self.is_owned_here());
         let depth = self.depth.load(Relaxed);
-        if depth == 0 {
-            self.lock.lock();
-            // SAFETY: (see `locked`) we just took the lock.
-            self.drain_returned(unsafe { self.locked() }, false);
+        if depth == 0 && !self.lock.try_lock_plain() {
+            self.enter_slow();
         }
         self.depth.store(depth + 1, Relaxed);
+    }
+
+    /// The outermost entry when the lock is held elsewhere or a hint is set: takes the lock,
+    /// then what other threads left.
+    #[cold]
+    #[inline(never)]
+    fn enter_slow(&self) {
+        self.lock.lock();
+        // SAFETY: (see `locked`) we just took the lock.
+        let inner = unsafe { self.locked() };
+        self.drain_returned(inner, false);
+        if self.lock.take(REQUESTED) {
+            self.serve_requests(inner);
+        }
     }
 
     /// Exits a scope entered with [`CacheCell::enter`]. The outermost exit frees the buffers

@@ -7,12 +7,12 @@
 
 use std::mem;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::*};
 
 use parking_lot::Mutex;
 
 use super::arena::VIEW_SLOT;
 use super::lists::Inner;
+use super::lock::RETURNED;
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
@@ -54,25 +54,21 @@ pub(super) struct Remote {
     pub(super) keepalive: Option<Arc<CacheCell>>,
 }
 
-/// Keeps what other threads write off the owner's cache lines.
+/// Keeps what other threads write off the owner's cache lines. What it holds is announced to
+/// the holder of the cell's lock by hints in the lock's byte (see [`super::lock`]).
 #[repr(align(128))]
 #[derive(Default)]
 pub(super) struct RemoteSide {
     pub(super) state: Mutex<Remote>,
-    /// `state.queue` or `state.released` is not empty (a hint, read without the mutex).
-    pub(super) returned: AtomicBool,
-    /// `state.requests` may hold a request (read without the mutex; SeqCst, see `unlock`).
-    pub(super) requested: AtomicBool,
 }
 
 impl CacheCell {
     /// Takes in the buffers other threads returned (lock holder), and accounts those another
-    /// thread gave back to the device. Cheap when there are none (this is on every scope entry
-    /// and exit): one load of the `returned` hint, inlined; the mutex is taken only when it is
-    /// set.
+    /// thread gave back to the device. Cheap when there are none: one load of the lock's
+    /// [`RETURNED`] hint, inlined; the mutex is taken only when it is set.
     #[inline(always)]
     pub(super) fn drain_returned(&self, inner: &mut Inner, active: bool) {
-        if self.remote.returned.load(Acquire) {
+        if self.lock.has(RETURNED) {
             self.take_in_returned(inner, active);
         }
     }
@@ -80,9 +76,10 @@ impl CacheCell {
     #[cold]
     #[inline(never)]
     fn take_in_returned(&self, inner: &mut Inner, active: bool) {
+        // The hint goes first: what is returned after this sets it again.
+        self.lock.take(RETURNED);
         let (returned, released) = {
             let mut remote = self.remote.state.lock();
-            self.remote.returned.store(false, Relaxed);
             (
                 mem::take(&mut remote.queue),
                 mem::take(&mut remote.released),
@@ -128,7 +125,7 @@ impl CacheCell {
         };
         if !freed.is_empty() {
             // The lock holder accounts them when it next takes the queue in.
-            self.remote.returned.store(true, Release);
+            self.lock.set(RETURNED);
             if crate::trace::on() {
                 self.note_freed_returned(&freed);
             }
@@ -167,7 +164,7 @@ pub(super) fn release_remote(home: Home, block: Block) {
                 cell.note_returned(&r);
             }
             remote.queue.push(r);
-            cell.remote.returned.store(true, Release);
+            cell.lock.set(RETURNED);
             None
         }
     };

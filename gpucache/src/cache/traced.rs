@@ -37,7 +37,7 @@ impl Inner {
     #[cold]
     #[inline(never)]
     pub(super) fn note_hit(&self, st: &Counters, slot: u32, block: &Block) {
-        let stream = backend::current_stream_id(self.slots[slot as usize].device);
+        let stream = backend::current_stream_id(self.meta[slot as usize].device);
         self.note_slot(
             st,
             EventKind::Hit,
@@ -55,16 +55,16 @@ impl Inner {
         slot: u32,
         (bytes, buffer, stream): (usize, u64, Option<u64>),
     ) {
-        let s = &self.slots[slot as usize];
+        let meta = &self.meta[slot as usize];
         trace::record(Note {
             kind,
             cell: Some(self.trace_id),
-            key: Some(s.key.traced()),
+            key: Some(meta.key.traced()),
             bytes,
             buffer: Some(buffer),
-            device: Some(s.device),
+            device: Some(meta.device),
             stream,
-            bytes_after: Some(gauge_bytes(st, s.gauge)),
+            bytes_after: Some(gauge_bytes(st, self.gauge(slot))),
         });
     }
 

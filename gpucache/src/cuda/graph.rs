@@ -25,8 +25,8 @@ use cudarc::driver::{CudaGraph, CudaStream, DriverError};
 
 use crate::backend::Block;
 use crate::backend::cuda as backend;
-use crate::cache::{self, CacheCell, Home};
-use crate::{CacheConfig, Device, Error, Result, scope};
+use crate::cache::{CacheCell, Home};
+use crate::{CacheConfig, Device, Error, Result, array, scope};
 
 /// What the thread is doing for a [`StepGraph`] run.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -63,12 +63,8 @@ struct Held(Vec<(Block, Option<Home>)>);
 
 impl Drop for Held {
     fn drop(&mut self) {
-        for (mut block, home) in self.0.drain(..) {
-            block.end_use();
-            match home {
-                Some(home) => cache::release(home, block, scope::current_ptr()),
-                None => drop(block),
-            }
+        for (block, home) in self.0.drain(..) {
+            array::release(block, home);
         }
     }
 }
@@ -80,25 +76,26 @@ pub(crate) fn capturing() -> bool {
         .unwrap_or(false)
 }
 
-/// Called by an array's drop: during a [`StepGraph`] run the run keeps a CUDA buffer (and
-/// `None` is returned); otherwise the block and home come back for the usual release.
+/// Whether a [`StepGraph`] run on this thread keeps `block` (a CUDA buffer) when its array
+/// drops: then the array's drop passes it to [`hold`].
 #[inline]
-pub(crate) fn hold(block: Block, home: Option<Home>) -> Option<(Block, Option<Home>)> {
-    if MODE.try_with(Cell::get).unwrap_or(Mode::Off) == Mode::Off || block.cuda().is_none() {
-        return Some((block, home));
-    }
-    hold_slow(block, home)
+pub(crate) fn holds(block: &Block) -> bool {
+    MODE.try_with(Cell::get).unwrap_or(Mode::Off) != Mode::Off && block.cuda().is_some()
 }
 
+/// Keeps the block of a dropped array with the run in progress, until the run ends (see
+/// [`holds`]); gives it back as usual if there is no run.
 #[cold]
-fn hold_slow(block: Block, home: Option<Home>) -> Option<(Block, Option<Home>)> {
+pub(crate) fn hold(block: Block, home: Option<Home>) {
     let mut back = Some((block, home));
     let _ = RUN.try_with(|run| {
         if let Some(run) = run.borrow_mut().as_mut() {
             run.held.0.extend(back.take());
         }
     });
-    back
+    if let Some((block, home)) = back {
+        array::release(block, home);
+    }
 }
 
 /// Records `make()` as the reason the capture in progress cannot be used (the first reason

@@ -392,7 +392,10 @@ impl Inner {
                 continue;
             }
             let mut keep = None;
-            let used: Vec<Used> = a.extra.drain(..).chain(a.current.take()).collect();
+            let used: Vec<Used> = mem::take(&mut a.extra)
+                .into_iter()
+                .chain(a.current.take())
+                .collect();
             for u in used.into_iter().rev() {
                 match a.finish(st, u) {
                     Finished::Retired => retired += 1,
@@ -435,7 +438,7 @@ impl Inner {
             if device.is_some_and(|d| d != a.device) {
                 continue;
             }
-            for block in a.spares.drain(..) {
+            for block in mem::take(&mut a.spares) {
                 free_cached(st, a.gauge, block);
             }
             let current = a.current.take();

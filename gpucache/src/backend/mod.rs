@@ -155,9 +155,9 @@ impl Block {
     #[inline]
     pub(crate) unsafe fn drop_view(self) {
         let mut view = ManuallyDrop::new(self);
-        // SAFETY: taken once, and `view` is never dropped: its backend, which holds no count
-        // (caller), is forgotten.
-        drop(unsafe { ManuallyDrop::take(&mut view.storage) });
+        // SAFETY: the storage is dropped once, and `view` never is: its backend, which holds no
+        // count (caller), is forgotten.
+        unsafe { ManuallyDrop::drop(&mut view.storage) };
     }
 
     /// The backend, as the pointer [`Arc::as_ptr`] gives: for a view, its owner as passed to

@@ -102,12 +102,11 @@ impl Backend for ArenaBlock {
         Err(AllocError::OutOfMemory)
     }
 
-    fn free(&self, _: Device, storage: Storage) {
+    fn free(&self, _: Device, _storage: Storage) {
         debug_assert!(
             false,
             "an arena array's buffer was dropped without its arena"
         );
-        drop(storage);
         // SAFETY: `this` came from `Arc::into_raw`, and the `Arc` is alive: the view being
         // dropped points at it.
         unsafe { Arc::increment_strong_count(self.this.load(Relaxed)) };
@@ -237,13 +236,13 @@ pub(super) enum Grow {
 /// Counts `bytes` of gauge `g` as cached.
 #[inline]
 fn cached(st: &Counters, g: u8, bytes: usize) {
-    add(&st.gauge(g).cached, bytes);
+    add(st.gauge(g).cached, bytes);
 }
 
 /// Counts `bytes` of gauge `g` as no longer cached.
 #[inline]
 fn uncached(st: &Counters, g: u8, bytes: usize) {
-    sub(&st.gauge(g).cached, bytes);
+    sub(st.gauge(g).cached, bytes);
 }
 
 /// Gives `block`, cached in gauge `g`, back to the device.
@@ -451,7 +450,7 @@ impl Inner {
                 // SAFETY: the step's blocks are the cache's.
                 let views = unsafe { u.arena.as_ref() }.views();
                 let free = views == 0 && pending;
-                if !free && !(views > 0 && retire) {
+                if !(free || views > 0 && retire) {
                     // Its arrays are alive: it stays where it was.
                     if is_current {
                         a.current = Some(u);

@@ -107,12 +107,7 @@ impl<T: Element> Array<T> {
     fn alloc(device: Device, shape: Shape, init: Init) -> Result<Self> {
         let bytes = shape.byte_len(T::DTYPE)?;
         if bytes != 0 {
-            let req = Request {
-                dtype: T::DTYPE,
-                dims: shape.dims(),
-                device,
-                bytes,
-            };
+            let req = Self::request(&shape, device, bytes);
             if let Some((block, home)) = scope::with_current_plain(|c| c.and_then(|c| c.hit(&req)))
             {
                 let zero = init.zero_recycled::<T>();
@@ -122,21 +117,26 @@ impl<T: Element> Array<T> {
         Self::alloc_slow(device, shape, bytes, init)
     }
 
+    /// What an allocation of `bytes` bytes of `shape` on `device` asks a cache for.
+    #[inline(always)]
+    fn request(shape: &Shape, device: Device, bytes: usize) -> Request<'_> {
+        Request {
+            dtype: T::DTYPE,
+            dims: shape.dims(),
+            device,
+            bytes,
+        }
+    }
+
     /// The allocation when the hit path found nothing.
     #[inline(never)]
     fn alloc_slow(device: Device, shape: Shape, bytes: usize, init: Init) -> Result<Self> {
         let zero = init.zero_recycled::<T>();
-        if bytes != 0 {
-            // An arena cache is never plain: its hit path, a bump, comes first here.
-            let req = Request {
-                dtype: T::DTYPE,
-                dims: shape.dims(),
-                device,
-                bytes,
-            };
-            if let Some((block, home)) = cache::bump(&req) {
-                return Self::recycled(block, home, shape, device, bytes, zero);
-            }
+        // An arena cache is never plain: its hit path, a bump, comes first here.
+        if bytes != 0
+            && let Some((block, home)) = cache::bump(&Self::request(&shape, device, bytes))
+        {
+            return Self::recycled(block, home, shape, device, bytes, zero);
         }
         // A new buffer is zeroed unless it is about to be overwritten.
         let zero_new = init != Init::Overwritten;
@@ -144,12 +144,7 @@ impl<T: Element> Array<T> {
             backend::check_device(device)?;
             return Ok(Self::assemble(None, None, shape, device));
         }
-        let req = Request {
-            dtype: T::DTYPE,
-            dims: shape.dims(),
-            device,
-            bytes,
-        };
+        let req = Self::request(&shape, device, bytes);
         let got: Result<_> = scope::with_current(|cache| {
             let (cache, capacity, zeroed) = match cache.map(|c| (c, c.take(&req))) {
                 Some((_, Take::Hit(block, home))) => return Ok((block, Some(home), true)),

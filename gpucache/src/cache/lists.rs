@@ -169,16 +169,31 @@ impl Inner {
     ) {
         self.live -= 1;
         if generation != self.generation {
-            self.free(st, slot, block);
+            self.free_stale(st, slot, block);
         } else if active && self.config.reuse == Reuse::OnExit {
             add(st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.pending.push((slot, block));
         } else if !block.is_idle() {
-            add(st.gauge(self.gauge(slot)).waiting, block.bytes());
-            self.deferred.push((slot, block));
+            self.defer(st, slot, block);
         } else {
             self.push_free(st, slot, block, false);
         }
+    }
+
+    /// [`Inner::release`] of a block of an invalidated generation: freed. Out of line (rare),
+    /// so that the common cases do not prepare for it.
+    #[cold]
+    #[inline(never)]
+    fn free_stale(&mut self, st: &Counters, slot: u32, block: Block) {
+        self.free(st, slot, block);
+    }
+
+    /// [`Inner::release`] of a block a device may still be using on another stream.
+    #[cold]
+    #[inline(never)]
+    fn defer(&mut self, st: &Counters, slot: u32, block: Block) {
+        add(st.gauge(self.gauge(slot)).waiting, block.bytes());
+        self.deferred.push((slot, block));
     }
 
     /// Moves the deferred buffers whose device work has completed to the free lists.

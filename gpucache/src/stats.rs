@@ -116,6 +116,35 @@ impl fmt::Display for Bytes {
 /// scope of that cache bypasses it: it is allocated from the device and freed when it drops.
 pub(crate) const MAX_DEVICES: usize = 16;
 
+/// The index of a gauge in [`Counters`]. An enum, so that the compiler knows it is below
+/// [`MAX_DEVICES`]: the hot paths index the gauge arrays with it, with neither a bounds check
+/// nor a mask.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[rustfmt::skip]
+pub(crate) enum GaugeIx {
+    G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11, G12, G13, G14, G15,
+}
+
+impl GaugeIx {
+    const ALL: [GaugeIx; MAX_DEVICES] = {
+        use GaugeIx::*;
+        [
+            G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11, G12, G13, G14, G15,
+        ]
+    };
+
+    /// The `i`th gauge, if `i < MAX_DEVICES`.
+    fn new(i: usize) -> Option<GaugeIx> {
+        Self::ALL.get(i).copied()
+    }
+
+    #[inline(always)]
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// The byte gauges of one cache on one device (borrowed from [`Counters`], which keeps each
 /// field in an array of its own, so that the hot paths reach one with a scaled index). Written
 /// only by the holder of the cache's lock.
@@ -193,36 +222,37 @@ pub(crate) fn sub(c: &AtomicU64, n: usize) {
 
 impl Counters {
     /// The gauge of `device`, if the cache has one (any thread).
-    pub(crate) fn find_gauge(&self, device: Device) -> Option<u8> {
+    pub(crate) fn find_gauge(&self, device: Device) -> Option<GaugeIx> {
         let code = device_code(device);
-        self.used().position(|(c, _)| c == code).map(|i| i as u8)
+        self.used()
+            .position(|(c, _)| c == code)
+            .and_then(GaugeIx::new)
     }
 
     /// The gauge of `device`, claimed if new (lock holder only). `None` once [`MAX_DEVICES`]
     /// devices have one.
-    pub(crate) fn gauge_for(&self, device: Device) -> Option<u8> {
+    pub(crate) fn gauge_for(&self, device: Device) -> Option<GaugeIx> {
         if let Some(g) = self.find_gauge(device) {
             return Some(g);
         }
-        let i = self.used().count();
-        self.tags.get(i)?.store(device_code(device), Release);
-        Some(i as u8)
+        let g = GaugeIx::new(self.used().count())?;
+        self.tags[g.index()].store(device_code(device), Release);
+        Some(g)
     }
 
     /// The claimed gauges with their device codes, in claim order.
     fn used(&self) -> impl Iterator<Item = (u64, Gauge<'_>)> {
         self.tags
             .iter()
-            .zip(0u8..)
+            .zip(GaugeIx::ALL)
             .map(|(tag, g)| (tag.load(Acquire), self.gauge(g)))
             .take_while(|&(code, _)| code != 0)
     }
 
-    /// The gauge at index `g` (`< MAX_DEVICES`; the mask spares the hot path a bounds check).
+    /// The gauge `g`.
     #[inline(always)]
-    pub(crate) fn gauge(&self, g: u8) -> Gauge<'_> {
-        const { assert!(MAX_DEVICES.is_power_of_two()) };
-        let i = g as usize & (MAX_DEVICES - 1);
+    pub(crate) fn gauge(&self, g: GaugeIx) -> Gauge<'_> {
+        let i = g.index();
         Gauge {
             held: &self.held[i],
             cached: &self.cached[i],
@@ -231,8 +261,8 @@ impl Counters {
     }
 
     /// The device of gauge `g` (a claimed one).
-    pub(crate) fn gauge_device(&self, g: u8) -> Device {
-        device_of(self.tags[g as usize & (MAX_DEVICES - 1)].load(Acquire))
+    pub(crate) fn gauge_device(&self, g: GaugeIx) -> Device {
+        device_of(self.tags[g.index()].load(Acquire))
     }
 
     /// Bytes in the free lists, over every device.
@@ -244,7 +274,7 @@ impl Counters {
 
     /// Accounts a buffer newly allocated from the device, raising the peak if needed.
     #[inline]
-    pub(crate) fn allocated(&self, g: u8, bytes: usize) {
+    pub(crate) fn allocated(&self, g: GaugeIx, bytes: usize) {
         add(&self.device_allocs, 1);
         add(self.gauge(g).held, bytes);
         let held: u64 = self.used().map(|(_, g)| g.held.load(Relaxed)).sum();
@@ -253,7 +283,7 @@ impl Counters {
 
     /// Accounts a buffer given back to the device.
     #[inline]
-    pub(crate) fn freed(&self, g: u8, bytes: usize) {
+    pub(crate) fn freed(&self, g: GaugeIx, bytes: usize) {
         add(&self.device_frees, 1);
         sub(self.gauge(g).held, bytes);
     }

@@ -51,7 +51,7 @@ use super::lists::Inner;
 use super::{ARENA, CacheCell, Home, Request, Take};
 use crate::backend::{self, AllocError, Backend, Block, Storage};
 use crate::config::{CacheConfig, KeyPolicy};
-use crate::stats::{Counters, add, sub};
+use crate::stats::{Counters, GaugeIx, add, sub};
 use crate::trace::{self, EventKind, Note};
 use crate::{Device, DeviceStats, Result};
 
@@ -188,7 +188,7 @@ unsafe impl Send for Used {}
 /// The arena of one device.
 struct DeviceArena {
     device: Device,
-    gauge: u8,
+    gauge: GaugeIx,
     /// The block bumped from; `None` until the first bump of a step finds one.
     current: Option<Used>,
     /// Earlier blocks of this step (it overflowed them).
@@ -235,18 +235,18 @@ pub(super) enum Grow {
 
 /// Counts `bytes` of gauge `g` as cached.
 #[inline]
-fn cached(st: &Counters, g: u8, bytes: usize) {
+fn cached(st: &Counters, g: GaugeIx, bytes: usize) {
     add(st.gauge(g).cached, bytes);
 }
 
 /// Counts `bytes` of gauge `g` as no longer cached.
 #[inline]
-fn uncached(st: &Counters, g: u8, bytes: usize) {
+fn uncached(st: &Counters, g: GaugeIx, bytes: usize) {
     sub(st.gauge(g).cached, bytes);
 }
 
 /// Gives `block`, cached in gauge `g`, back to the device.
-fn free_cached(st: &Counters, g: u8, block: Block) {
+fn free_cached(st: &Counters, g: GaugeIx, block: Block) {
     uncached(st, g, block.bytes());
     st.freed(g, block.bytes());
 }

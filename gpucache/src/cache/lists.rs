@@ -13,7 +13,7 @@ use super::key::{Entry, Key, KeyRef};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy, Reuse};
-use crate::stats::{Counters, add, sub};
+use crate::stats::{Counters, GaugeIx, add, sub};
 use crate::trace::{self, EventKind};
 
 /// A free buffer and when it was freed (a stamp of the cache's clock).
@@ -28,7 +28,7 @@ pub(super) struct Slot {
     /// Oldest first; hits take the newest.
     free: Vec<Free>,
     /// The device's gauge in the cache's counters.
-    pub(super) gauge: u8,
+    pub(super) gauge: GaugeIx,
 }
 
 /// What else is known of a free list, off the hot paths.
@@ -142,7 +142,7 @@ impl Inner {
 
     /// The gauge of `slot`'s device.
     #[inline(always)]
-    pub(super) fn gauge(&self, slot: u32) -> u8 {
+    pub(super) fn gauge(&self, slot: u32) -> GaugeIx {
         self.slots[slot as usize].gauge
     }
 
@@ -267,16 +267,16 @@ impl Inner {
     /// be using them, to the deferred list).
     #[inline]
     pub(super) fn settle(&mut self, st: &Counters) {
-        let mut pending = mem::take(&mut self.pending);
-        for (slot, block) in pending.drain(..) {
+        // In drop order, without a `Drain` (whose drop LLVM may leave out of line here): the
+        // list reversed, then popped.
+        self.pending.reverse();
+        while let Some((slot, block)) = self.pending.pop() {
             if block.is_idle() {
                 self.push_free(st, slot, block, true);
             } else {
                 self.deferred.push((slot, block));
             }
         }
-        // Keep the capacity for the next step.
-        self.pending = pending;
         self.poll_deferred(st);
     }
 

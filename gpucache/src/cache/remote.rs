@@ -17,6 +17,7 @@ use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::CacheConfig;
+use crate::stats::GaugeIx;
 
 /// A buffer returned by another thread, waiting for the owner (`slot` [`VIEW_SLOT`]: a retired arena
 /// block whose last array dropped).
@@ -44,7 +45,7 @@ pub(super) struct Remote {
     pub(super) queue: Vec<Returned>,
     /// Buffers of the queue that a thread gave back to the device and the lock holder has not
     /// accounted yet: (gauge, bytes).
-    pub(super) released: Vec<(u8, usize)>,
+    pub(super) released: Vec<(GaugeIx, usize)>,
     pub(super) requests: Requests,
     /// Set once, by the owner, when its thread exits.
     pub(super) closed: bool,

@@ -8,11 +8,11 @@ use super::remote::Returned;
 use super::remote::release_remote;
 use super::{CacheCell, Home};
 use crate::backend::{self, Block};
-use crate::stats::Counters;
+use crate::stats::{Counters, GaugeIx};
 use crate::trace::{self, EventKind, Note};
 
 /// (in use, cached) bytes of gauge `g`.
-pub(super) fn gauge_bytes(st: &Counters, g: u8) -> (usize, usize) {
+pub(super) fn gauge_bytes(st: &Counters, g: GaugeIx) -> (usize, usize) {
     let gauge = st.gauge(g);
     let held = gauge.held.load(std::sync::atomic::Ordering::Relaxed) as usize;
     let cached = gauge.cached.load(std::sync::atomic::Ordering::Relaxed) as usize;

@@ -62,9 +62,13 @@ impl Shape {
     /// The size in bytes of an array of this shape and `dtype`, checked against [`MAX_BYTES`].
     #[inline]
     pub(crate) fn byte_len(&self, dtype: DType) -> Result<usize> {
+        // `n * size <= MAX_BYTES` exactly when `n <= MAX_BYTES / size`: with the element type
+        // known where this is inlined, one comparison with a constant, and the product cannot
+        // overflow.
+        let size = dtype.size_in_bytes();
         self.checked_numel()
-            .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
-            .filter(|&b| b <= MAX_BYTES)
+            .filter(|&n| n <= MAX_BYTES / size)
+            .map(|n| n * size)
             .ok_or_else(|| self.overflow(Some(dtype)))
     }
 

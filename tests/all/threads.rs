@@ -418,3 +418,54 @@ fn since_gives_per_epoch_figures_and_reset_peak_reaches_other_threads() {
     assert_eq!(s.peak_bytes, s.bytes_in_use + s.bytes_cached, "{s}");
     assert_eq!(s.peak_bytes, 1 << 16, "{s}");
 }
+
+/// A request that races a scope's exit is served: by the exiting owner, or by the requester
+/// when it finds the cache unlocked. The requester sends a stream of `configure` calls while
+/// the owner cycles through scopes as fast as it can; the last call sets a byte cap of 0, and
+/// the owner stops right after it. If the last request were missed, the owner's free list
+/// would keep the buffer of its last scope.
+#[test]
+fn a_request_racing_a_scope_exit_is_never_missed() {
+    const NAME: &str = "threads-race";
+    let _serial = serial();
+    for round in 0..50 {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (started_tx, started_rx) = channel::<()>();
+        let (idle_tx, idle_rx) = channel::<()>();
+        let (checked_tx, checked_rx) = channel::<()>();
+        let owner = {
+            let done = Arc::clone(&done);
+            thread::Builder::new()
+                .name("race-owner".into())
+                .spawn(move || {
+                    let step = || {
+                        let _scope = enter(NAME);
+                        drop(Array::<f32>::zeros(Device::Cpu, 256).unwrap());
+                    };
+                    step();
+                    started_tx.send(()).unwrap();
+                    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                        step();
+                    }
+                    idle_tx.send(()).unwrap();
+                    checked_rx.recv().unwrap();
+                })
+                .unwrap()
+        };
+        started_rx.recv().unwrap();
+        for i in 0..100 {
+            configure(NAME, |c| c.max_cached_bytes = (i % 2 == 1).then_some(MIB));
+        }
+        configure(NAME, |c| c.max_cached_bytes = Some(0));
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        idle_rx.recv().unwrap();
+        let row = row_of("race-owner", NAME);
+        assert_eq!(
+            row.bytes_cached, 0,
+            "round {round}: the last configure (a cap of 0) did not reach the owner: {row:?}"
+        );
+        checked_tx.send(()).unwrap();
+        owner.join().unwrap();
+    }
+    configure(NAME, |_| {});
+}

@@ -249,15 +249,9 @@ impl Backend for CudaBackend {
         state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(bytes, Relaxed);
         let base = raw_ptr(&slice);
-        Ok(Storage::Cuda(Box::new(CudaBuf {
-            slice: ManuallyDrop::new(slice),
-            base,
-            view: false,
-            stream,
-            marked: Mutex::new(SmallVec::new()),
-            events: Vec::new(),
-            watchers: Mutex::new(Vec::new()),
-        })))
+        Ok(Storage::Cuda(Box::new(CudaBuf::new(
+            slice, base, false, stream,
+        ))))
     }
 
     fn free(&self, device: Device, storage: Storage) {
@@ -304,6 +298,20 @@ pub(crate) struct CudaBuf {
 }
 
 impl CudaBuf {
+    /// A buffer over `slice` (starting at device address `base`), owned by `stream`, with no
+    /// marks, events or watchers; a `view` never frees its memory.
+    fn new(slice: CudaSlice<u8>, base: CUdeviceptr, view: bool, stream: Arc<CudaStream>) -> Self {
+        CudaBuf {
+            slice: ManuallyDrop::new(slice),
+            base,
+            view,
+            stream,
+            marked: Mutex::new(SmallVec::new()),
+            events: Vec::new(),
+            watchers: Mutex::new(Vec::new()),
+        }
+    }
+
     /// The size in bytes.
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
@@ -341,15 +349,7 @@ impl CudaBuf {
         // SAFETY: the range lies inside this buffer's allocation (caller), which outlives the
         // view; the view's slice is leaked back, never freed, when it drops (`view: true`).
         let slice = unsafe { stream.upgrade_device_ptr::<u8>(base, bytes) };
-        Ok(CudaBuf {
-            slice: ManuallyDrop::new(slice),
-            base,
-            view: true,
-            stream,
-            marked: Mutex::new(SmallVec::new()),
-            events: Vec::new(),
-            watchers: Mutex::new(Vec::new()),
-        })
+        Ok(CudaBuf::new(slice, base, true, stream))
     }
 
     /// A view's owner dropped: its marked streams, and its own stream if it is not the

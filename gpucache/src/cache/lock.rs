@@ -42,7 +42,8 @@ impl CellLock {
     }
 
     /// Gives the lock up if no hint is set (the scope-exit fast path). On `false` the lock is
-    /// still held: serve the hints, then [`CellLock::unlock_unless_requested`].
+    /// still held: serve the requests, then [`CellLock::unlock_unless_requested`] (returned
+    /// buffers may stay queued, their hint set, for the next holder to take in).
     #[inline(always)]
     pub(super) fn try_unlock_plain(&self) -> bool {
         self.0.compare_exchange(LOCKED, 0, Release, Relaxed).is_ok()

@@ -169,7 +169,7 @@ impl Inner {
     ) {
         self.live -= 1;
         if generation != self.generation {
-            self.free_stale(st, slot, block);
+            self.free(st, slot, block);
         } else if active && self.config.reuse == Reuse::OnExit {
             add(st.gauge(self.gauge(slot)).waiting, block.bytes());
             self.pending.push((slot, block));
@@ -178,14 +178,6 @@ impl Inner {
         } else {
             self.push_free(st, slot, block, false);
         }
-    }
-
-    /// [`Inner::release`] of a block of an invalidated generation: freed. Out of line (rare),
-    /// so that the common cases do not prepare for it.
-    #[cold]
-    #[inline(never)]
-    fn free_stale(&mut self, st: &Counters, slot: u32, block: Block) {
-        self.free(st, slot, block);
     }
 
     /// [`Inner::release`] of a block a device may still be using on another stream.
@@ -254,7 +246,11 @@ impl Inner {
         self.evict(st);
     }
 
-    /// Gives a block of free list `slot` back to the device.
+    /// Gives a block of free list `slot` back to the device. Out of line: never on a hot path
+    /// (and the drop path, which frees blocks of an invalidated generation, then does not
+    /// prepare for it).
+    #[cold]
+    #[inline(never)]
     pub(super) fn free(&mut self, st: &Counters, slot: u32, block: Block) {
         st.freed(self.gauge(slot), block.bytes());
         if trace::on() {

@@ -351,22 +351,20 @@ impl CacheCell {
     #[inline(never)]
     unsafe fn serve_and_unlock(&self) {
         loop {
-            {
-                // SAFETY: (see `locked`) we hold the lock, and no other reference to the state
-                // is alive.
-                let inner = unsafe { self.locked() };
-                if self.lock.take(REQUESTED) {
-                    self.serve_requests(inner);
-                }
-            }
+            // SAFETY: (see `locked`) we hold the lock, and no other reference to the state is
+            // alive.
+            self.serve_requests(unsafe { self.locked() });
             if self.lock.unlock_unless_requested() {
                 return;
             }
         }
     }
 
-    /// Carries out what other threads asked for (lock holder, after taking the hint).
+    /// Carries out what other threads asked for, if the [`REQUESTED`] hint is set (lock holder).
     fn serve_requests(&self, inner: &mut Inner) {
+        if !self.lock.take(REQUESTED) {
+            return;
+        }
         let requests = mem::take(&mut self.remote.state.lock().requests);
         self.drain_returned(inner, false);
         if let Some(config) = requests.config {
@@ -433,9 +431,7 @@ impl CacheCell {
         // SAFETY: (see `locked`) we just took the lock.
         let inner = unsafe { self.locked() };
         self.drain_returned(inner, false);
-        if self.lock.take(REQUESTED) {
-            self.serve_requests(inner);
-        }
+        self.serve_requests(inner);
     }
 
     /// Exits a scope entered with [`CacheCell::enter`]. The outermost exit frees the buffers

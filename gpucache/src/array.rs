@@ -5,9 +5,10 @@ use std::marker::PhantomData;
 use std::mem;
 use std::slice;
 
-use crate::backend::{self, Block};
-use crate::cache::{self, Home, Request, Take};
-use crate::{DType, Device, Element, Error, Result, Shape, registry, scope};
+use crate::alloc::{self, Init};
+use crate::backend::Block;
+use crate::cache::{Got, Home, Request};
+use crate::{DType, Device, Element, Error, Result, Shape};
 
 /// An owned n-d array of `T` on a [`Device`].
 ///
@@ -35,26 +36,6 @@ pub struct Array<T: Element> {
     shape: Shape,
     device: Device,
     _elem: PhantomData<T>,
-}
-
-/// How a new array's contents must start.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Init {
-    /// All zero.
-    Zeroed,
-    /// Anything valid for `T`.
-    Any,
-    /// About to be overwritten entirely.
-    Overwritten,
-}
-
-impl Init {
-    /// Whether a recycled buffer must be zeroed: when asked, or when its old bytes may not be
-    /// valid for `T`.
-    #[inline]
-    fn zero_recycled<T: Element>(self) -> bool {
-        self == Init::Zeroed || (self == Init::Any && !T::ANY_BIT_PATTERN)
-    }
 }
 
 impl<T: Element> Array<T> {
@@ -101,20 +82,18 @@ impl<T: Element> Array<T> {
         Ok(array)
     }
 
-    /// Allocates through the current scope's cache, or the device outside any scope. The hit
-    /// is the inlined fast path; everything else is in `alloc_slow`.
+    /// Allocates through the current scope's cache, or the device outside any scope (see the
+    /// `alloc` module). The hit is the inlined fast path; everything else is out of line.
     #[inline]
     fn alloc(device: Device, shape: Shape, init: Init) -> Result<Self> {
         let bytes = shape.byte_len(T::DTYPE)?;
-        if bytes != 0 {
-            let req = Self::request(&shape, device, bytes);
-            if let Some((block, home)) = scope::with_current_plain(|c| c.and_then(|c| c.hit(&req)))
-            {
-                let zero = init.zero_recycled::<T>();
-                return Self::recycled(block, home, shape, device, bytes, zero);
-            }
+        let zeroing = init.zeroing(T::ANY_BIT_PATTERN);
+        if bytes != 0
+            && let Some((block, home)) = alloc::hit(&Self::request(&shape, device, bytes))
+        {
+            return Self::recycled(block, home, shape, device, bytes, zeroing.recycled);
         }
-        Self::alloc_slow(device, shape, bytes, init)
+        Self::alloc_slow(device, shape, bytes, zeroing)
     }
 
     /// What an allocation of `bytes` bytes of `shape` on `device` asks a cache for.
@@ -130,48 +109,18 @@ impl<T: Element> Array<T> {
 
     /// The allocation when the hit path found nothing.
     #[inline(never)]
-    fn alloc_slow(device: Device, shape: Shape, bytes: usize, init: Init) -> Result<Self> {
-        let zero = init.zero_recycled::<T>();
-        // An arena cache is never plain: its hit path, a bump, comes first here.
-        if bytes != 0
-            && let Some((block, home)) = cache::bump(&Self::request(&shape, device, bytes))
-        {
-            return Self::recycled(block, home, shape, device, bytes, zero);
-        }
-        // A new buffer is zeroed unless it is about to be overwritten.
-        let zero_new = init != Init::Overwritten;
-        if bytes == 0 {
-            backend::check_device(device)?;
-            return Ok(Self::assemble(None, None, shape, device));
-        }
-        let req = Self::request(&shape, device, bytes);
-        let got: Result<_> = scope::with_current(|cache| {
-            let (cache, capacity, zeroed) = match cache.map(|c| (c, c.take(&req))) {
-                Some((_, Take::Hit(block, home))) => return Ok((block, Some(home), true)),
-                Some((_, Take::Failed(e))) => return Err(e),
-                Some((c, Take::Miss { capacity, zeroed })) => (Some(c), capacity, zeroed),
-                Some((_, Take::Bypass)) | None => (None, bytes, false),
-            };
-            #[cfg(feature = "cuda")]
-            if device != Device::Cpu && crate::cuda::graph::capturing() {
-                // A device allocation would be captured into the graph, not made now.
-                let cache = cache.map_or_else(String::new, |c| c.name().to_owned());
-                return Err(crate::cuda::graph::fail(|| Error::CaptureMiss {
-                    cache: cache.clone(),
-                    dtype: T::DTYPE,
-                    dims: shape.dims().to_vec(),
-                    device,
-                }));
+    fn alloc_slow(
+        device: Device,
+        shape: Shape,
+        bytes: usize,
+        zeroing: alloc::Zeroing,
+    ) -> Result<Self> {
+        match alloc::alloc_slow(&Self::request(&shape, device, bytes), zeroing)? {
+            Some(Got::Recycled(block, home)) => {
+                Self::recycled(block, home, shape, device, bytes, zeroing.recycled)
             }
-            let block = registry::alloc_block(device, capacity, bytes, zero_new || zeroed)?;
-            match cache {
-                Some(c) => c.adopt(&req, block),
-                None => Ok((block, None, false)),
-            }
-        });
-        match got? {
-            (block, Some(home), true) => Self::recycled(block, home, shape, device, bytes, zero),
-            (block, home, _) => Ok(Self::assemble(Some(block), home, shape, device)),
+            Some(Got::Fresh(block, home)) => Ok(Self::assemble(Some(block), home, shape, device)),
+            None => Ok(Self::assemble(None, None, shape, device)),
         }
     }
 
@@ -316,24 +265,7 @@ impl<T: Element> Drop for Array<T> {
         let Some(block) = self.block.take() else {
             return;
         };
-        let home = self.home.take();
-        // A step graph run keeps the buffer until the run ends. (Tested in place: moving the
-        // block through the test and back costs the drop stalled stack copies.)
-        #[cfg(feature = "cuda")]
-        if crate::cuda::graph::holds(&block) {
-            return crate::cuda::graph::hold(block, home);
-        }
-        release(block, home);
-    }
-}
-
-/// Gives a dropped array's block back: to its cache (`home`), or to the device.
-#[inline]
-pub(crate) fn release(mut block: Block, home: Option<Home>) {
-    block.end_use();
-    match home {
-        Some(home) => cache::release(home, block, scope::current_ptr()),
-        None => drop(block),
+        alloc::release(block, self.home.take());
     }
 }
 

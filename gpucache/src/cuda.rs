@@ -169,10 +169,12 @@ use cudarc::driver::{
 };
 
 use crate::backend::Block;
+use crate::backend::capture;
 use crate::backend::cuda::{self as backend, CudaBuf, DeviceState};
 use crate::{Array, Device, Element, Error, Result};
 
-pub(crate) mod graph;
+mod graph;
+pub(crate) mod held;
 pub use graph::{Ran, StepGraph};
 
 /// The state of `device` (a CUDA device), creating its context on first use.
@@ -204,7 +206,7 @@ pub fn default_stream(device: Device) -> Result<Arc<CudaStream>> {
 /// As [`context`].
 pub fn current_stream(device: Device) -> Result<Arc<CudaStream>> {
     let n = backend::ordinal(device)?;
-    Ok(backend::current_stream(n, backend::device_state(n)?))
+    Ok(backend::thread_stream(n, backend::device_state(n)?))
 }
 
 /// Makes `stream` the calling thread's current stream for its device; returns the previous
@@ -213,7 +215,7 @@ pub fn current_stream(device: Device) -> Result<Arc<CudaStream>> {
 /// # Errors
 /// [`Error::ForeignStream`] when `stream` is not of the device's primary context ([`context`]).
 pub fn set_stream(stream: &Arc<CudaStream>) -> Result<Arc<CudaStream>> {
-    let n = backend::check_stream(stream)?;
+    let n = backend::context_ordinal(stream)?;
     let previous = backend::replace_current(n, Some(Arc::clone(stream)));
     match previous {
         Some(previous) => Ok(previous),
@@ -239,7 +241,7 @@ pub fn set_stream(stream: &Arc<CudaStream>) -> Result<Arc<CudaStream>> {
 /// # Errors
 /// As [`set_stream`].
 pub fn use_stream(stream: &Arc<CudaStream>) -> Result<StreamGuard> {
-    let ordinal = backend::check_stream(stream)?;
+    let ordinal = backend::context_ordinal(stream)?;
     let previous = backend::replace_current(ordinal, Some(Arc::clone(stream)));
     Ok(StreamGuard {
         ordinal,
@@ -303,8 +305,8 @@ impl<T: Element> Array<T> {
     pub fn cuda_view(&self) -> Result<CudaView<'_, T>> {
         let slice = match self.cuda_buf()? {
             Some(buf) => {
-                if graph::capturing() {
-                    graph::pin(buf);
+                if capture::capturing() {
+                    buf.pin();
                 }
                 buf.slice()
             }
@@ -322,8 +324,8 @@ impl<T: Element> Array<T> {
         let device = self.device();
         let len = self.len();
         let buf = self.cuda_buf()?.ok_or(Error::EmptyArray { device })?;
-        if graph::capturing() {
-            graph::pin(buf);
+        if capture::capturing() {
+            buf.pin();
         }
         let slice = self
             .block_mut()
@@ -369,7 +371,7 @@ impl<T: Element> Array<T> {
         }
         match self.cuda_buf()? {
             Some(buf) => buf.record_stream(stream),
-            None => backend::check_stream(stream).map(drop),
+            None => backend::context_ordinal(stream).map(drop),
         }
     }
 }
@@ -401,13 +403,13 @@ fn sentinel(device: Device) -> &'static CudaSlice<u8> {
 
 /// The device pointer a kernel or cudarc call gets for `array` while its thread captures a
 /// graph: the buffer's (or the sentinel's), without cudarc's events, which a capture may not
-/// wait on. Pins the buffer to the capture (see [`graph::pin`]).
+/// wait on. Pins the buffer to the capture (see `CudaBuf::pin`).
 #[cold]
 #[track_caller]
 fn captured_ptr<T: Element>(array: &Array<T>) -> &CUdeviceptr {
     match array.cuda_buf() {
         Ok(Some(buf)) => {
-            graph::pin(buf);
+            buf.pin();
             buf.ptr()
         }
         Ok(None) => match state(array.device()) {
@@ -475,8 +477,8 @@ impl<T: Element> DevicePtr<T> for Array<T> {
     /// # Panics
     /// For an array that is not on a CUDA device.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        if graph::capturing() {
-            graph::check_stream(stream.cu_stream());
+        if capture::capturing() {
+            capture::require_capture_stream(stream.cu_stream());
             return (*captured_ptr(self), SyncOnDrop::Record(None));
         }
         slice_of(self).device_ptr(stream)
@@ -487,8 +489,8 @@ impl<T: Element> DevicePtrMut<T> for Array<T> {
     /// # Panics
     /// For an array that is not on a CUDA device.
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        if graph::capturing() {
-            graph::check_stream(stream.cu_stream());
+        if capture::capturing() {
+            capture::require_capture_stream(stream.cu_stream());
             return (*captured_ptr(self), SyncOnDrop::Record(None));
         }
         match slice_mut_of(self) {
@@ -506,7 +508,7 @@ impl<T: Element> DevicePtrMut<T> for Array<T> {
 unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b Array<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b Array<T>) -> &mut Self {
-        if graph::capturing() {
+        if capture::capturing() {
             return self.arg(captured_ptr(arg));
         }
         self.arg(slice_of(arg))
@@ -518,7 +520,7 @@ unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b Array<T>> for LaunchArgs<'
 unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b mut Array<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut Array<T>) -> &mut Self {
-        if graph::capturing() {
+        if capture::capturing() {
             return self.arg(captured_ptr(arg));
         }
         match slice_mut_of(arg) {

@@ -2,8 +2,6 @@
 
 use std::fmt;
 
-use crate::Result;
-
 /// A device that arrays can be allocated on.
 ///
 /// `Device::Cpu` (the default) is host memory and works in every build. `Device::Cuda(ordinal)`
@@ -19,22 +17,6 @@ pub enum Device {
 }
 
 impl Device {
-    /// The CUDA GPU `ordinal`, after checking that it exists.
-    ///
-    /// With the `cuda` feature this loads the CUDA driver and creates the device's context on
-    /// first use (gpucache keeps one context per device for the life of the process).
-    ///
-    /// # Errors
-    /// [`Error::CudaNotEnabled`](crate::Error::CudaNotEnabled) when gpucache was built without
-    /// its `cuda` feature; with it, [`Error::CudaDriverNotFound`](crate::Error::CudaDriverNotFound)
-    /// when no CUDA driver can be loaded, [`Error::CudaDeviceNotFound`](crate::Error::CudaDeviceNotFound)
-    /// when the driver has no GPU with this ordinal, and `Error::Driver` when creating the
-    /// context fails.
-    pub fn cuda(ordinal: usize) -> Result<Device> {
-        crate::backend::check_device(Device::Cuda(ordinal))?;
-        Ok(Device::Cuda(ordinal))
-    }
-
     /// Whether this is host memory.
     pub const fn is_cpu(self) -> bool {
         matches!(self, Device::Cpu)

@@ -304,6 +304,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod alloc;
 mod array;
 mod backend;
 mod cache;
@@ -323,6 +324,7 @@ mod scope;
 mod shape;
 mod stats;
 pub mod testing;
+mod thread;
 pub mod trace;
 
 pub use array::Array;

@@ -68,7 +68,7 @@ use cudarc::nccl::sys::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
 pub use cudarc::nccl::result::NcclError;
 
-use crate::backend::cuda::{current_stream, device_state, ordinal};
+use crate::backend::cuda::{device_state, ordinal, thread_stream};
 use crate::{Array, Device, Element, Error, Result, bf16, f16};
 
 /// Whether the NCCL library can be loaded (checked once).
@@ -328,7 +328,7 @@ impl Comm {
         let n = ordinal(self.device)?;
         let state = device_state(n)?;
         state.ctx.bind_to_thread()?;
-        Ok(current_stream(n, state))
+        Ok(thread_stream(n, state))
     }
 
     /// Enqueues `op` on the current stream with the device pointers of `src` (read) and `dst`

@@ -15,11 +15,11 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 use thread_local::ThreadLocal;
 
-use crate::backend::{self, AllocError, Block};
+use crate::backend;
 use crate::cache::CacheCell;
 use crate::stats::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
-use crate::trace;
-use crate::{CacheConfig, Device, DeviceStats, Error, Result};
+use crate::trace::record;
+use crate::{CacheConfig, Device, DeviceStats, Result};
 
 /// A thread's caches, as other threads see them.
 #[derive(Default)]
@@ -97,15 +97,10 @@ struct Local {
 
 impl Local {
     fn new() -> Local {
-        let thread = std::thread::current();
-        let thread_name = match thread.name() {
-            Some(name) => name.to_owned(),
-            None => format!("{:?}", thread.id()),
-        };
         Local {
             caches: RefCell::default(),
             entry: THREADS.get_or_default(),
-            thread_name,
+            thread_name: crate::thread::name(),
         }
     }
 }
@@ -127,21 +122,24 @@ thread_local! {
     static LOCAL: Local = Local::new();
 }
 
-/// This thread's cache `name`, created if new. `None` while the thread is being torn down.
-pub(crate) fn cell(name: &str) -> Option<Arc<CacheCell>> {
+/// This thread's cache `name`: `Some(None)` when it has none yet, `None` while the thread is
+/// being torn down.
+#[inline]
+pub(crate) fn own_cell(name: &str) -> Option<Option<Arc<CacheCell>>> {
     LOCAL
-        .try_with(|local| {
-            if let Some(cell) = local.caches.borrow().get(name) {
-                return Arc::clone(cell);
-            }
-            create(local, name)
-        })
+        .try_with(|local| local.caches.borrow().get(name).cloned())
         .ok()
 }
 
-/// A new cache `name` of this thread (out of line: scope entries only look caches up).
+/// A new cache `name` of this thread (`None` while the thread is being torn down). Out of
+/// line: scope entries only look caches up.
 #[cold]
 #[inline(never)]
+pub(crate) fn create_cell(name: &str) -> Option<Arc<CacheCell>> {
+    LOCAL.try_with(|local| create(local, name)).ok()
+}
+
+/// Makes this thread's cache `name`.
 fn create(local: &Local, name: &str) -> Arc<CacheCell> {
     let cell = {
         // Listed for other threads under the options' lock: a `configure` of this name either
@@ -153,7 +151,7 @@ fn create(local: &Local, name: &str) -> Arc<CacheCell> {
         cell
     };
     // Recording may have started after the cell was made and before it was listed.
-    if trace::on() {
+    if record::on() {
         cell.set_traced(true);
     }
     local
@@ -165,10 +163,7 @@ fn create(local: &Local, name: &str) -> Arc<CacheCell> {
 
 /// This thread's cache `name`, if it exists.
 fn find(name: &str) -> Option<Arc<CacheCell>> {
-    LOCAL
-        .try_with(|local| local.caches.borrow().get(name).cloned())
-        .ok()
-        .flatten()
+    own_cell(name).flatten()
 }
 
 /// Every live thread's caches.
@@ -224,8 +219,8 @@ pub fn invalidate(name: &str) {
 /// Buffers of live arrays are untouched. The free lists of a cache that another thread is using
 /// inside a scope at this moment are released when that scope exits.
 pub fn empty_cache() {
-    if trace::on() {
-        trace::record(trace::Note::about(trace::EventKind::EmptyCache, None));
+    if record::on() {
+        record::push(record::Note::about(record::EventKind::EmptyCache, None));
     }
     release_cached(None, false);
 }
@@ -353,7 +348,7 @@ pub fn device_stats(device: Device) -> Result<DeviceStats> {
 /// buffers returned by other threads, at once; free lists and deferred buffers, at once for this
 /// thread's caches and idle ones, at the scope's exit for a cache active on another thread;
 /// with `pending`, also what this thread's active scopes hold for their exit.
-fn release_cached(device: Option<Device>, pending: bool) {
+pub(crate) fn release_cached(device: Option<Device>, pending: bool) {
     for cell in all_cells() {
         cell.free_returned(device);
         if cell.is_owned_here() {
@@ -374,75 +369,15 @@ pub(crate) fn release_own(device: Option<Device>) {
     }
 }
 
-/// Allocates `capacity` bytes on `device` for a request of `requested` bytes. When the device is
-/// out of memory, gives back what the caches hold for it that no array owns (this thread's
-/// caches, then every thread's) and retries once.
-pub(crate) fn alloc_block(
-    device: Device,
-    capacity: usize,
-    requested: usize,
-    zeroed: bool,
-) -> Result<Block> {
-    let backend = backend::resolve(device)?;
-    match Block::alloc(&backend, device, capacity, zeroed) {
-        Ok(block) => return Ok(block),
-        Err(AllocError::Other(e)) => return Err(e),
-        Err(AllocError::OutOfMemory) => {}
-    }
-    let before = backend.stats(device).bytes_allocated;
-    release_cached(Some(device), true);
-    let released = before.saturating_sub(backend.stats(device).bytes_allocated);
-    let retry = Block::alloc(&backend, device, capacity, zeroed);
-    note_out_of_memory(device, requested, released, retry.is_ok());
-    match retry {
-        Ok(block) => Ok(block),
-        Err(AllocError::Other(e)) => Err(e),
-        Err(AllocError::OutOfMemory) => {
-            // What caches still hold on the device that no array owns: free lists and dropped
-            // buffers of scopes active on other threads.
-            let cached: usize = all_cells()
-                .iter()
-                .flat_map(|c| c.device_bytes())
-                .filter(|&(d, _)| d == device)
-                .map(|(_, b)| b.cached + b.waiting)
-                .sum();
-            let allocated = backend.stats(device).bytes_allocated;
-            Err(Error::OutOfMemory {
-                device,
-                requested,
-                cached,
-                in_use: allocated.saturating_sub(cached),
-            })
-        }
-    }
-}
-
-/// Reports an allocation that ran out of memory, the bytes released and the retry's outcome:
-/// as a `tracing` warning (feature `tracing`) and a recorded event.
-#[cold]
-fn note_out_of_memory(device: Device, requested: usize, released: usize, recovered: bool) {
-    #[cfg(feature = "tracing")]
-    tracing::warn!(
-        %device,
-        requested,
-        released,
-        recovered,
-        "out of memory: gave back cached buffers and retried"
-    );
-    if trace::on() {
-        trace::record(trace::Note {
-            bytes: requested,
-            device: Some(device),
-            stream: crate::backend::current_stream_id(device),
-            ..trace::Note::about(
-                trace::EventKind::OutOfMemory {
-                    released,
-                    recovered,
-                },
-                crate::scope::with_current(|c| c.map(CacheCell::trace_id)),
-            )
-        });
-    }
+/// What every thread's caches hold on `device` that no array owns: free lists, deferred
+/// buffers, buffers dropped in scopes still active, and buffers other threads returned.
+pub(crate) fn unowned_bytes(device: Device) -> usize {
+    all_cells()
+        .iter()
+        .flat_map(|c| c.device_bytes())
+        .filter(|&(d, _)| d == device)
+        .map(|(_, b)| b.cached + b.waiting)
+        .sum()
 }
 
 /// Turns recording of every cache's events on or off; when on, records the bytes each holds.

@@ -42,7 +42,12 @@ thread_local! {
 /// # Ok::<(), gpucache::Error>(())
 /// ```
 pub fn enter(name: &str) -> ScopeGuard {
-    let Some(cell) = registry::cell(name) else {
+    let cell = match registry::own_cell(name) {
+        Some(Some(cell)) => Some(cell),
+        Some(None) => new_cell(name),
+        None => None,
+    };
+    let Some(cell) = cell else {
         // The thread is being torn down: allocate without a cache.
         return ScopeGuard {
             cell: None,
@@ -65,6 +70,15 @@ pub fn enter(name: &str) -> ScopeGuard {
         entry,
         _not_send: PhantomData,
     }
+}
+
+/// This thread's first cache `name`. The first cache of the process starts the recording that
+/// `GPUCACHE_TRACE` asks for, if any, before it is made.
+#[cold]
+#[inline(never)]
+fn new_cell(name: &str) -> Option<Arc<CacheCell>> {
+    crate::trace::init_from_env();
+    registry::create_cell(name)
 }
 
 /// An entered scope; dropping it exits the scope. Made by [`enter`] (and the `cache_scope`

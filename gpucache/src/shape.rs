@@ -27,8 +27,9 @@ pub struct Shape {
 }
 
 /// The largest array in bytes: `isize::MAX` (the most one Rust allocation may hold) rounded down
-/// to the 64-byte alignment of host buffers, so that an allocation of it can be described.
-pub(crate) const MAX_BYTES: usize = (isize::MAX as usize) & !(crate::backend::HOST_ALIGN - 1);
+/// to 64 bytes, so that an allocation of it can be described at the host backend's alignment
+/// (which checks, at compile time, that it divides 64).
+pub(crate) const MAX_BYTES: usize = (isize::MAX as usize) & !63;
 
 /// Dimensions stored without a heap allocation.
 const INLINE: usize = 4;

@@ -34,8 +34,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
+use super::capture;
 use super::{AllocError, Backend, Storage};
-use crate::cuda::graph;
 use crate::{Device, DeviceStats, Error, Result};
 
 /// What gpucache keeps for one CUDA device, for the life of the process.
@@ -162,7 +162,7 @@ pub(crate) fn current_handle(ordinal: usize) -> CUstream {
 }
 
 /// This thread's current stream for device `ordinal`.
-pub(crate) fn current_stream(ordinal: usize, state: &'static DeviceState) -> Arc<CudaStream> {
+pub(crate) fn thread_stream(ordinal: usize, state: &'static DeviceState) -> Arc<CudaStream> {
     CURRENT
         .try_with(|c| c.borrow().get(ordinal).cloned().flatten())
         .ok()
@@ -172,7 +172,7 @@ pub(crate) fn current_stream(ordinal: usize, state: &'static DeviceState) -> Arc
 
 /// Checks that `stream` belongs to the primary context of its device, which gpucache allocates
 /// in; returns the device's ordinal.
-pub(crate) fn check_stream(stream: &CudaStream) -> Result<usize> {
+pub(crate) fn context_ordinal(stream: &CudaStream) -> Result<usize> {
     let ordinal = stream.context().ordinal();
     let state = device_state(ordinal)?;
     if **stream.context() != *state.ctx {
@@ -227,7 +227,7 @@ impl Backend for CudaBackend {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
         let n = ordinal(device).map_err(AllocError::Other)?;
         let state = device_state(n).map_err(AllocError::Other)?;
-        let stream = current_stream(n, state);
+        let stream = thread_stream(n, state);
         // SAFETY: the memory is left unset here; it is zeroed below when asked, and otherwise
         // only ever copied out as plain bytes (`Array` zeroes or overwrites it before any
         // element type that not every bit pattern is valid for could be read).
@@ -328,9 +328,17 @@ impl CudaBuf {
         &self.base
     }
 
+    /// During a step graph capture: records that the graph bakes in this buffer's address, so
+    /// that it is not replayed once the buffer's owner drops.
+    pub(crate) fn pin(&self) {
+        if let Some(alive) = capture::alive_flag() {
+            self.watch(&alive);
+        }
+    }
+
     /// Clears `alive` when the current owner drops (see [`CudaBuf::end_use`]). Flags of graphs
     /// that are gone are forgotten here.
-    pub(crate) fn watch(&self, alive: &Arc<AtomicBool>) {
+    fn watch(&self, alive: &Arc<AtomicBool>) {
         let mut watchers = self.watchers.lock();
         watchers.retain(|w| Arc::strong_count(w) > 1 && !Arc::ptr_eq(w, alive));
         watchers.push(Arc::clone(alive));
@@ -344,7 +352,7 @@ impl CudaBuf {
     /// as the view lives.
     pub(crate) unsafe fn view(&self, offset: usize, bytes: usize) -> Result<CudaBuf> {
         let n = self.slice.ordinal();
-        let stream = current_stream(n, device_state(n)?);
+        let stream = thread_stream(n, device_state(n)?);
         let base = self.base + offset as CUdeviceptr;
         // SAFETY: the range lies inside this buffer's allocation (caller), which outlives the
         // view; the view's slice is leaked back, never freed, when it drops (`view: true`).
@@ -389,9 +397,9 @@ impl CudaBuf {
 
     /// Declares that the current owner is used on `stream` too.
     pub(crate) fn record_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
-        if graph::capturing() && stream.cu_stream() != self.stream.cu_stream() {
+        if capture::capturing() && stream.cu_stream() != self.stream.cu_stream() {
             let device = self.device();
-            return Err(graph::fail(|| Error::CaptureForeignStream { device }));
+            return Err(capture::fail(|| Error::CaptureForeignStream { device }));
         }
         if **stream.context() != **self.stream.context() {
             let found = Device::Cuda(stream.context().ordinal());
@@ -461,12 +469,12 @@ impl CudaBuf {
         self.events.clear();
         let n = self.slice.ordinal();
         if current_handle(n) != self.stream.cu_stream() {
-            if graph::capturing() {
+            if capture::capturing() {
                 // Ordering after another stream would wait on work outside the capture.
                 let device = self.device();
-                return Err(graph::fail(|| Error::CaptureForeignStream { device }));
+                return Err(capture::fail(|| Error::CaptureForeignStream { device }));
             }
-            let current = current_stream(n, device_state(n)?);
+            let current = thread_stream(n, device_state(n)?);
             current.join(&self.stream)?;
             self.stream = current;
         }
@@ -475,9 +483,9 @@ impl CudaBuf {
 
     /// Zeroes the first `bytes` bytes, on the owner's stream.
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
-        if graph::capturing() {
-            graph::check_stream(self.stream.cu_stream());
-            graph::pin(self);
+        if capture::capturing() {
+            capture::require_capture_stream(self.stream.cu_stream());
+            self.pin();
             // Without cudarc's events, which a capture may not wait on.
             self.stream.context().bind_to_thread()?;
             // SAFETY: `ptr` is the start of this buffer's `bytes() >= bytes` bytes, which the
@@ -500,9 +508,9 @@ impl CudaBuf {
 
     /// Copies `src` to the start of the buffer, on the owner's stream.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
-        if graph::capturing() {
+        if capture::capturing() {
             let what = "a copy from host memory (Array::from_slice)";
-            return Err(graph::fail(|| Error::CaptureUnsupported { what }));
+            return Err(capture::fail(|| Error::CaptureUnsupported { what }));
         }
         let mut view = self.slice.slice_mut(..src.len());
         self.stream.memcpy_htod(src, &mut view)?;
@@ -512,13 +520,13 @@ impl CudaBuf {
     /// Copies the start of the buffer to `dst`, on this thread's current stream for its device
     /// (ordered after the owner's stream), and waits for the copy.
     pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
-        if graph::capturing() {
+        if capture::capturing() {
             let what = "a copy to host memory (Array::to_vec)";
-            return Err(graph::fail(|| Error::CaptureUnsupported { what }));
+            return Err(capture::fail(|| Error::CaptureUnsupported { what }));
         }
         let n = self.slice.ordinal();
         let state = device_state(n)?;
-        let stream = current_stream(n, state);
+        let stream = thread_stream(n, state);
         if stream.cu_stream() != self.stream.cu_stream() {
             stream.join(&self.stream)?;
         }

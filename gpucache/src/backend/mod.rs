@@ -14,6 +14,8 @@ pub(crate) mod cpu;
 
 pub(crate) use cpu::HostBuf;
 #[cfg(feature = "cuda")]
+pub(crate) mod capture;
+#[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
 use std::cell::RefCell;
@@ -26,6 +28,8 @@ use crate::{Device, DeviceStats, Error, Result};
 
 /// Alignment of every host allocation, in bytes (a cache line, and enough for AVX-512 loads).
 pub(crate) const HOST_ALIGN: usize = 64;
+// The largest array must stay describable at this alignment.
+const _: () = assert!(crate::shape::MAX_BYTES.is_multiple_of(HOST_ALIGN));
 
 /// A source of device memory.
 pub(crate) trait Backend: Send + Sync + fmt::Debug {
@@ -350,6 +354,26 @@ pub(crate) fn current_stream_id(device: Device) -> Option<u64> {
 /// Checks that `device` can be used in this build and on this machine.
 pub(crate) fn check_device(device: Device) -> Result<()> {
     resolve(device).map(drop)
+}
+
+// `Device` is a plain value type that knows no backend; its one constructor that asks the
+// machine lives here, with the backends it asks.
+impl Device {
+    /// The CUDA GPU `ordinal`, after checking that it exists.
+    ///
+    /// With the `cuda` feature this loads the CUDA driver and creates the device's context on
+    /// first use (gpucache keeps one context per device for the life of the process).
+    ///
+    /// # Errors
+    /// [`Error::CudaNotEnabled`](crate::Error::CudaNotEnabled) when gpucache was built without
+    /// its `cuda` feature; with it, [`Error::CudaDriverNotFound`](crate::Error::CudaDriverNotFound)
+    /// when no CUDA driver can be loaded, [`Error::CudaDeviceNotFound`](crate::Error::CudaDeviceNotFound)
+    /// when the driver has no GPU with this ordinal, and `Error::Driver` when creating the
+    /// context fails.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        check_device(Device::Cuda(ordinal))?;
+        Ok(Device::Cuda(ordinal))
+    }
 }
 
 /// Installs `backend` for `Device::Cpu` on this thread, over any installed before; returns the

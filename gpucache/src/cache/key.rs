@@ -47,13 +47,13 @@ fn mix(h: u64, x: u64) -> u64 {
 
 impl Key {
     /// The key as recorded events report it.
-    pub(super) fn traced(&self) -> crate::trace::TraceKey {
+    pub(super) fn traced(&self) -> crate::trace::record::TraceKey {
         match self {
-            Key::Exact { dtype, shape, .. } => crate::trace::TraceKey::Exact {
+            Key::Exact { dtype, shape, .. } => crate::trace::record::TraceKey::Exact {
                 dtype: *dtype,
                 shape: shape.clone(),
             },
-            Key::Class { bytes, .. } => crate::trace::TraceKey::SizeClass { bytes: *bytes },
+            Key::Class { bytes, .. } => crate::trace::record::TraceKey::SizeClass { bytes: *bytes },
         }
     }
 

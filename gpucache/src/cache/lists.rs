@@ -8,13 +8,13 @@ use std::mem;
 use hashbrown::HashTable;
 
 use super::Request;
-use super::arena::Arenas;
+use super::arena::block::Arenas;
 use super::key::{Entry, Key, KeyRef};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy, Reuse};
 use crate::stats::{Counters, GaugeIx, add, sub};
-use crate::trace::{self, EventKind};
+use crate::trace::record::{self, EventKind};
 
 /// A free buffer and when it was freed (a stamp of the cache's clock).
 pub(super) struct Free {
@@ -206,7 +206,7 @@ impl Inner {
         for (slot, block) in idle {
             self.push_free(st, slot, block, true);
         }
-        if moved && trace::on() {
+        if moved && record::on() {
             self.note_bytes(st);
         }
     }
@@ -253,7 +253,7 @@ impl Inner {
     #[inline(never)]
     pub(super) fn free(&mut self, st: &Counters, slot: u32, block: Block) {
         st.freed(self.gauge(slot), block.bytes());
-        if trace::on() {
+        if record::on() {
             self.note_block(st, EventKind::DeviceFree, slot, &block);
         }
         drop(block);
@@ -335,9 +335,9 @@ impl Inner {
         self.generation = self.generation.wrapping_add(1);
         add(&st.invalidations, 1);
         #[cfg(feature = "tracing")]
-        tracing::debug!(cache = %trace::cache_name(self.trace_id), "cache invalidated");
-        if trace::on() {
-            trace::record(trace::Note::about(
+        tracing::debug!(cache = %record::cache_name(self.trace_id), "cache invalidated");
+        if record::on() {
+            record::push(record::Note::about(
                 EventKind::Invalidate,
                 Some(self.trace_id),
             ));
@@ -373,12 +373,12 @@ impl Inner {
                 add(&st.evictions, 1);
                 #[cfg(feature = "tracing")]
                 tracing::debug!(
-                    cache = %trace::cache_name(self.trace_id),
+                    cache = %record::cache_name(self.trace_id),
                     bytes = block.bytes(),
                     cap,
                     "evicted a free buffer to stay within max_cached_bytes"
                 );
-                if trace::on() {
+                if record::on() {
                     self.note_block(st, EventKind::Evict, slot, &block);
                 }
                 self.free(st, slot, block);

@@ -46,20 +46,20 @@ mod lock;
 mod remote;
 mod traced;
 
-use std::cell::{Cell, UnsafeCell};
+use std::cell::UnsafeCell;
 use std::mem;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering::*};
 
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy};
 use crate::stats::{CacheStats, Counters, DeviceBytes, add};
-use crate::trace::{self, EventKind};
+use crate::thread;
+use crate::trace::record::{self, EventKind};
 use crate::{DType, Device};
 
-use arena::VIEW_SLOT;
-pub(crate) use arena::bump;
+use arena::block::VIEW_SLOT;
 use lists::Inner;
 use lock::{CellLock, REQUESTED};
 pub(crate) use remote::Requests;
@@ -72,29 +72,6 @@ const TRACED: u8 = 2;
 /// [`CacheCell::flags`]: an arena cache, or arrays of its arena may still be alive (see the
 /// `arena` module): allocations, drops and exits take the slow paths, which serve arenas.
 const ARENA: u8 = 4;
-
-/// A number naming a thread, unique for the life of the process (never reused).
-pub(crate) type ThreadToken = u64;
-
-thread_local! {
-    static TOKEN: Cell<ThreadToken> = const { Cell::new(0) };
-}
-
-/// This thread's [`ThreadToken`].
-#[inline]
-pub(crate) fn thread_token() -> ThreadToken {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    // `TOKEN` has a const initialiser and no destructor, so it can be read at any time, even
-    // while the thread's other thread-locals are being destroyed.
-    TOKEN.with(|t| match t.get() {
-        0 => {
-            let token = NEXT.fetch_add(1, Relaxed);
-            t.set(token);
-            token
-        }
-        token => token,
-    })
-}
 
 /// What an allocation asks for.
 pub(crate) struct Request<'a> {
@@ -135,20 +112,31 @@ unsafe impl Sync for Home {}
 pub(crate) enum Take {
     /// A recycled buffer, now busy.
     Hit(Block, Home),
-    /// None free: allocate a buffer of this capacity (zeroed if `zeroed`) and
-    /// [`CacheCell::adopt`] it.
-    Miss { capacity: usize, zeroed: bool },
+    /// None free: allocate a buffer of `capacity` bytes and [`CacheCell::adopt`] it. With
+    /// `shared`, the buffer is an arena block whose views are handed out as recycled memory,
+    /// so it must start zeroed, whatever this allocation asked.
+    Miss { capacity: usize, shared: bool },
     /// The cache cannot take more keys (2^32 of them) or devices: allocate without it.
     Bypass,
     /// Preparing a recycled buffer failed.
     Failed(crate::Error),
 }
 
+/// A buffer a cache hands out.
+pub(crate) enum Got {
+    /// It held an earlier array's data (a free-list hit, or a view of an arena block): the
+    /// array prepares it for reuse on its stream, and zeroes it if asked.
+    Recycled(Block, Home),
+    /// New from the device, zeroed as the allocation asked; its cache, or `None` when the
+    /// cache could not take it.
+    Fresh(Block, Option<Home>),
+}
+
 /// One named cache of one thread.
 pub(crate) struct CacheCell {
     name: Box<str>,
     thread_name: Box<str>,
-    owner: ThreadToken,
+    owner: thread::ThreadToken,
     /// The lock, and the hints other threads leave for its holder (see [`lock`]).
     lock: CellLock,
     /// Active scope entries; written and read by the owner only.
@@ -192,8 +180,8 @@ impl Drop for Held<'_> {
 impl CacheCell {
     /// A new, empty cache with `config`, owned by the calling thread.
     pub(crate) fn new(name: &str, thread_name: &str, config: CacheConfig) -> CacheCell {
-        let owner = thread_token();
-        let trace_id = trace::register_cell(name, owner);
+        let owner = thread::token();
+        let trace_id = record::register_cell(name, owner);
         CacheCell {
             name: name.into(),
             thread_name: thread_name.into(),
@@ -201,7 +189,7 @@ impl CacheCell {
             lock: CellLock::default(),
             depth: AtomicU32::new(0),
             flags: AtomicU8::new(
-                if trace::on() { TRACED } else { 0 }
+                if record::on() { TRACED } else { 0 }
                     | if config.key == KeyPolicy::Arena {
                         ARENA
                     } else {
@@ -230,14 +218,14 @@ impl CacheCell {
         self.trace_id
     }
 
-    /// The number of the owner thread (its [`ThreadToken`]).
-    pub(crate) fn thread_number(&self) -> ThreadToken {
+    /// The number of the owner thread (its [`thread::ThreadToken`]).
+    pub(crate) fn thread_number(&self) -> thread::ThreadToken {
         self.owner
     }
 
     /// Whether the calling thread owns this cache.
     pub(crate) fn is_owned_here(&self) -> bool {
-        self.owner == thread_token()
+        self.owner == thread::token()
     }
 
     /// The counters, read without stopping the owner (exact when read by the lock holder).
@@ -494,26 +482,21 @@ impl CacheCell {
                 }
                 None => Take::Miss {
                     capacity: inner.config.key.capacity(req.bytes),
-                    zeroed: false,
+                    shared: false,
                 },
             },
         }
     }
 
     /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`]. Returns what the
-    /// array gets (the block, or for an arena cache a view of it), its home, and whether it is
-    /// a view (which the array prepares as a recycled buffer).
-    pub(crate) fn adopt(
-        &self,
-        req: &Request<'_>,
-        block: Block,
-    ) -> crate::Result<(Block, Option<Home>, bool)> {
+    /// array gets: the block, or for an arena cache a view of it.
+    pub(crate) fn adopt(&self, req: &Request<'_>, block: Block) -> crate::Result<Got> {
         self.owned(|inner, st| {
             if inner.config.key == KeyPolicy::Arena {
                 return self.adopt_arena(inner, req, block);
             }
             let Some(slot) = inner.slot_of(st, req) else {
-                return Ok((block, None, false));
+                return Ok(Got::Fresh(block, None));
             };
             inner.live += 1;
             add(&st.misses, 1);
@@ -527,10 +510,10 @@ impl CacheCell {
                 bytes = block.bytes(),
                 "cache miss: allocated from the device"
             );
-            if trace::on() {
+            if record::on() {
                 inner.note_block(st, EventKind::Miss, slot, &block);
             }
-            Ok((block, Some(self.home(slot, inner.generation)), false))
+            Ok(Got::Fresh(block, Some(self.home(slot, inner.generation))))
         })
     }
 
@@ -619,11 +602,23 @@ impl CacheCell {
     }
 }
 
+/// Takes back the block of a dropped array, from any thread: its work on the device is over
+/// (see `Block::end_use`), and it goes to its home cache, or to the device when it has none.
+/// `current` is the calling thread's innermost entered cache (null if none).
+#[inline(always)]
+pub(crate) fn return_block(mut block: Block, home: Option<Home>, current: *const CacheCell) {
+    block.end_use();
+    match home {
+        Some(home) => send_home(home, block, current),
+        None => drop(block),
+    }
+}
+
 /// Returns a block to its home cache, from any thread. `current` is the calling thread's
 /// innermost entered cache (null if none): when it is the block's home, the block goes straight
 /// back, with no check of the thread and no lock.
 #[inline]
-pub(crate) fn release(home: Home, block: Block, current: *const CacheCell) {
+fn send_home(home: Home, block: Block, current: *const CacheCell) {
     // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
     // have been freed (the remote path drops its last use before releasing the keep-alive).
     let cell = unsafe { home.cell.as_ref() };

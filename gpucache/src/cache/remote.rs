@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::arena::VIEW_SLOT;
+use super::arena::block::VIEW_SLOT;
 use super::lists::Inner;
 use super::lock::RETURNED;
 use super::{CacheCell, Home};
@@ -18,6 +18,7 @@ use crate::Device;
 use crate::backend::Block;
 use crate::config::CacheConfig;
 use crate::stats::GaugeIx;
+use crate::trace::record;
 
 /// A buffer returned by another thread, waiting for the owner (`slot` [`VIEW_SLOT`]: a retired arena
 /// block whose last array dropped).
@@ -90,7 +91,7 @@ impl CacheCell {
             inner.live -= 1;
             self.stats.freed(g, bytes);
         }
-        let traced = crate::trace::on();
+        let traced = record::on();
         for r in returned {
             if r.slot == VIEW_SLOT {
                 inner.take_back(&self.stats, r.block, r.generation);
@@ -127,7 +128,7 @@ impl CacheCell {
         if !freed.is_empty() {
             // The lock holder accounts them when it next takes the queue in.
             self.lock.set(RETURNED);
-            if crate::trace::on() {
+            if record::on() {
                 self.note_freed_returned(&freed);
             }
         }
@@ -150,7 +151,7 @@ pub(super) fn release_remote(home: Home, block: Block) {
                 None
             };
             drop(remote);
-            if crate::trace::on() {
+            if record::on() {
                 cell.note_freed_returned(std::slice::from_ref(&block));
             }
             drop(block);
@@ -161,7 +162,7 @@ pub(super) fn release_remote(home: Home, block: Block) {
                 slot: home.slot,
                 generation: home.generation,
             };
-            if crate::trace::on() {
+            if record::on() {
                 cell.note_returned(&r);
             }
             remote.queue.push(r);

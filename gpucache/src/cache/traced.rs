@@ -1,5 +1,5 @@
 //! Recording a cache's events (see [`crate::trace`]): the out-of-line halves of the hooks. The
-//! hot paths test [`trace::on`] and call these only when recording is on.
+//! hot paths test [`record::on`] and call these only when recording is on.
 
 use super::lists::Inner;
 use std::ptr;
@@ -9,7 +9,7 @@ use super::remote::release_remote;
 use super::{CacheCell, Home};
 use crate::backend::{self, Block};
 use crate::stats::{Counters, GaugeIx};
-use crate::trace::{self, EventKind, Note};
+use crate::trace::record::{self, EventKind, Note};
 
 /// (in use, cached) bytes of gauge `g`.
 pub(super) fn gauge_bytes(st: &Counters, g: GaugeIx) -> (usize, usize) {
@@ -56,7 +56,7 @@ impl Inner {
         (bytes, buffer, stream): (usize, u64, Option<u64>),
     ) {
         let meta = &self.meta[slot as usize];
-        trace::record(Note {
+        record::push(Note {
             kind,
             cell: Some(self.trace_id),
             key: Some(meta.key.traced()),
@@ -97,7 +97,7 @@ impl Inner {
 /// Records the bytes of the cache `trace_id` (counters `st`) on every device it uses.
 fn note_bytes(st: &Counters, trace_id: u32) {
     for (device, b) in st.device_bytes() {
-        trace::record(Note {
+        record::push(Note {
             device: Some(device),
             bytes_after: Some((b.held.saturating_sub(b.cached), b.cached)),
             ..Note::about(EventKind::Settled, Some(trace_id))
@@ -131,7 +131,7 @@ impl CacheCell {
     #[inline(never)]
     pub(crate) fn enter_traced(&self) {
         self.enter();
-        trace::record(Note::about(EventKind::ScopeEnter, Some(self.trace_id)));
+        record::push(Note::about(EventKind::ScopeEnter, Some(self.trace_id)));
     }
 
     /// [`CacheCell::exit`], recorded, with the bytes the cache holds after it.
@@ -139,7 +139,7 @@ impl CacheCell {
     #[inline(never)]
     pub(crate) fn exit_traced(&self) {
         self.exit();
-        trace::record(Note::about(EventKind::ScopeExit, Some(self.trace_id)));
+        record::push(Note::about(EventKind::ScopeExit, Some(self.trace_id)));
         note_bytes(&self.stats, self.trace_id);
     }
 
@@ -148,7 +148,7 @@ impl CacheCell {
     #[cold]
     pub(super) fn note_closed(&self) {
         for (device, _) in self.stats.device_bytes() {
-            trace::record(Note {
+            record::push(Note {
                 device: Some(device),
                 bytes_after: Some((0, 0)),
                 ..Note::about(EventKind::Settled, Some(self.trace_id))
@@ -166,7 +166,7 @@ impl CacheCell {
     #[inline(never)]
     pub(super) fn note_freed_returned(&self, freed: &[Block]) {
         for block in freed {
-            trace::record(Note {
+            record::push(Note {
                 bytes: block.bytes(),
                 buffer: Some(block.id()),
                 device: Some(block.device()),
@@ -181,7 +181,7 @@ impl CacheCell {
     #[cold]
     #[inline(never)]
     pub(super) fn note_returned(&self, r: &Returned) {
-        trace::record(Note {
+        record::push(Note {
             bytes: r.block.bytes(),
             buffer: Some(r.block.id()),
             device: Some(r.block.device()),

@@ -1,7 +1,8 @@
 //! Capturing a step as a CUDA graph and replaying it: [`StepGraph`].
 //!
-//! While a step runs under a [`StepGraph`], the thread is in one of two modes, kept in
-//! thread-locals read by the array and backend code:
+//! While a step runs under a [`StepGraph`], the thread is in one of two modes, kept by the
+//! backend (`backend::capture`, which the array and backend code read), with the buffers the
+//! run holds in `cuda::held`:
 //! * *holding* (the eager warm-up runs and the capture): arrays that drop keep their buffers
 //!   with the run instead of returning them to their caches, and the run gives them back when
 //!   it ends. So a step allocates as many buffers as it would under `Reuse::OnExit`, whatever
@@ -14,131 +15,19 @@
 //!   every array the step uses that it did not allocate is *pinned*: when such an array drops,
 //!   the graph that baked in its address is invalid and is not replayed again.
 
-use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstream, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream, DriverError};
 
-use crate::backend::Block;
+use super::held::{self, HeldBuffers};
+use crate::backend::capture::{self, Mode};
 use crate::backend::cuda as backend;
-use crate::cache::{CacheCell, Home};
-use crate::{CacheConfig, Device, Error, Result, array, scope};
-
-/// What the thread is doing for a [`StepGraph`] run.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Off,
-    Holding,
-    Capturing,
-}
-
-thread_local! {
-    /// Read on every array drop and cudarc argument, so a plain `Cell` with a const
-    /// initialiser and no destructor.
-    static MODE: Cell<Mode> = const { Cell::new(Mode::Off) };
-    /// The run in progress, while `MODE` is not `Off`.
-    static RUN: RefCell<Option<RunState>> = const { RefCell::new(None) };
-}
-
-/// The state of a [`StepGraph`] run in progress on this thread.
-struct RunState {
-    device: Device,
-    /// The capture stream (when capturing).
-    stream: CUstream,
-    /// Cleared when an array whose address the capture baked in drops.
-    alive: Arc<AtomicBool>,
-    /// Buffers of the arrays that dropped during the run, with where they go back to.
-    held: Held,
-    /// The first thing that made the capture unusable (when capturing).
-    failure: Option<Error>,
-}
-
-/// Buffers a run or a graph keeps; given back to their caches (or freed) when dropped.
-#[derive(Default)]
-struct Held(Vec<(Block, Option<Home>)>);
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        for (block, home) in self.0.drain(..) {
-            array::release(block, home);
-        }
-    }
-}
-
-/// Whether this thread is capturing a [`StepGraph`].
-#[inline]
-pub(crate) fn capturing() -> bool {
-    MODE.try_with(|m| m.get() == Mode::Capturing)
-        .unwrap_or(false)
-}
-
-/// Whether a [`StepGraph`] run on this thread keeps `block` (a CUDA buffer) when its array
-/// drops: then the array's drop passes it to [`hold`].
-#[inline]
-pub(crate) fn holds(block: &Block) -> bool {
-    MODE.try_with(Cell::get).unwrap_or(Mode::Off) != Mode::Off && block.cuda().is_some()
-}
-
-/// Keeps the block of a dropped array with the run in progress, until the run ends (see
-/// [`holds`]); gives it back as usual if there is no run.
-#[cold]
-pub(crate) fn hold(block: Block, home: Option<Home>) {
-    let mut back = Some((block, home));
-    let _ = RUN.try_with(|run| {
-        if let Some(run) = run.borrow_mut().as_mut() {
-            run.held.0.extend(back.take());
-        }
-    });
-    if let Some((block, home)) = back {
-        array::release(block, home);
-    }
-}
-
-/// Records `make()` as the reason the capture in progress cannot be used (the first reason
-/// wins) and returns it again for the caller. The capture is dropped when the step returns,
-/// even if the step ignores the error.
-#[cold]
-pub(crate) fn fail(make: impl Fn() -> Error) -> Error {
-    let _ = RUN.try_with(|run| {
-        if let Some(run) = run.borrow_mut().as_mut()
-            && run.failure.is_none()
-        {
-            run.failure = Some(make());
-        }
-    });
-    make()
-}
-
-/// During a capture: records a failure if `stream` is not the capture stream.
-#[inline]
-pub(crate) fn check_stream(stream: CUstream) {
-    let foreign = RUN
-        .try_with(|run| {
-            run.borrow()
-                .as_ref()
-                .map(|run| (run.stream != stream).then_some(run.device))
-        })
-        .ok()
-        .flatten()
-        .flatten();
-    if let Some(device) = foreign {
-        fail(|| Error::CaptureForeignStream { device });
-    }
-}
-
-/// During a capture: records that the graph bakes in `buf`'s address, so that it is not
-/// replayed once the buffer's array drops.
-pub(crate) fn pin(buf: &backend::CudaBuf) {
-    let _ = RUN.try_with(|run| {
-        if let Some(run) = run.borrow().as_ref() {
-            buf.watch(&run.alive);
-        }
-    });
-}
+use crate::cache::CacheCell;
+use crate::{CacheConfig, Device, Error, Result, scope};
 
 /// Whether `e` is one of the driver's stream-capture errors.
 fn is_capture_error(e: &DriverError) -> bool {
@@ -156,6 +45,13 @@ fn is_capture_error(e: &DriverError) -> bool {
     )
 }
 
+/// What a run left: the capture's outcome, the buffers of the arrays that dropped during it.
+struct RunEnd {
+    failure: Option<Error>,
+    alive: Arc<AtomicBool>,
+    held: HeldBuffers,
+}
+
 /// Puts the thread in `mode` for a run until dropped; then ends a capture still in progress
 /// (a step that panicked) and gives the held buffers back.
 struct RunGuard {
@@ -166,44 +62,35 @@ struct RunGuard {
 
 impl RunGuard {
     fn start(mode: Mode, device: Device, stream: &Arc<CudaStream>) -> Result<RunGuard> {
-        if MODE.with(Cell::get) != Mode::Off {
-            return Err(Error::CaptureUnsupported {
-                what: "a step graph run inside another step graph run",
-            });
-        }
+        capture::begin(mode, device, stream.cu_stream())?;
         if mode == Mode::Capturing {
             let thread_local = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-            stream
-                .begin_capture(thread_local)
-                .map_err(Error::CaptureFailed)?;
+            if let Err(e) = stream.begin_capture(thread_local) {
+                capture::end();
+                return Err(Error::CaptureFailed(e));
+            }
         }
-        RUN.with(|run| {
-            *run.borrow_mut() = Some(RunState {
-                device,
-                stream: stream.cu_stream(),
-                alive: Arc::new(AtomicBool::new(true)),
-                held: Held::default(),
-                failure: None,
-            });
-        });
-        MODE.with(|m| m.set(mode));
+        held::start();
         Ok(RunGuard {
             stream: Arc::clone(stream),
             armed: true,
         })
     }
 
-    /// Ends the run: the capture's graph (when capturing) and the run's state.
-    fn finish(mut self) -> (Result<Option<CudaGraph>, DriverError>, RunState) {
+    /// Ends the run: the capture's graph (when capturing) and what the run left.
+    fn finish(mut self) -> (Result<Option<CudaGraph>, DriverError>, RunEnd) {
         self.armed = false;
-        let graph = match MODE.with(Cell::get) {
+        let graph = match capture::mode() {
             Mode::Capturing => self.stream.end_capture(CUgraphInstantiate_flags(0)),
             _ => Ok(None),
         };
-        MODE.with(|m| m.set(Mode::Off));
-        let state = RUN.with(|run| run.borrow_mut().take());
-        let state = state.unwrap_or_else(|| unreachable!("a run has state"));
-        (graph, state)
+        let ended = capture::end().unwrap_or_else(|| unreachable!("a run has state"));
+        let end = RunEnd {
+            failure: ended.failure,
+            alive: ended.alive,
+            held: held::finish(),
+        };
+        (graph, end)
     }
 }
 
@@ -213,13 +100,12 @@ impl Drop for RunGuard {
             return;
         }
         // The step panicked.
-        if MODE.with(Cell::get) == Mode::Capturing {
+        if capture::capturing() {
             let ctx = self.stream.context();
             ctx.record_err(self.stream.end_capture(CUgraphInstantiate_flags(0)));
         }
-        MODE.with(|m| m.set(Mode::Off));
-        let state = RUN.with(|run| run.borrow_mut().take());
-        drop(state);
+        capture::end();
+        drop(held::finish());
     }
 }
 
@@ -247,7 +133,7 @@ struct Captured {
     config: CacheConfig,
     /// The buffers of the arrays the step allocated: the graph reads and writes them, so
     /// nothing else may get them while it lives.
-    _held: Held,
+    held: HeldBuffers,
 }
 
 impl Captured {
@@ -351,7 +237,7 @@ impl StepGraph {
     /// call runs it eagerly; and the driver's errors when launching the graph.
     pub fn run<E: From<Error>>(&mut self, step: impl FnOnce() -> Result<(), E>) -> Result<Ran, E> {
         let n = backend::ordinal(self.device)?;
-        let stream = backend::current_stream(n, backend::device_state(n)?);
+        let stream = backend::thread_stream(n, backend::device_state(n)?);
         if stream.cu_stream().is_null() {
             return Err(Error::CaptureDefaultStream {
                 device: self.device,
@@ -440,7 +326,7 @@ impl StepGraph {
             alive: Arc::clone(&state.alive),
             invalidations,
             config,
-            _held: std::mem::take(&mut state.held),
+            held: std::mem::take(&mut state.held),
         });
         Ok(())
     }
@@ -469,8 +355,6 @@ impl StepGraph {
 
     /// The bytes of the buffers the graph holds (those its step allocated), 0 without one.
     pub fn held_bytes(&self) -> usize {
-        self.captured
-            .as_ref()
-            .map_or(0, |c| c._held.0.iter().map(|(b, _)| b.bytes()).sum())
+        self.captured.as_ref().map_or(0, |c| c.held.bytes())
     }
 }

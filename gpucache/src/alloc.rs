@@ -1,0 +1,203 @@
+//! The allocation pipeline: how an array gets its buffer, and where the buffer goes when the
+//! array drops.
+//!
+//! An allocation inside a scope first tries the hit path, inlined into the array constructors
+//! ([`hit`]: the newest free buffer of its key in the thread's current cache). Everything else
+//! comes here, to [`alloc_slow`], and goes down these steps in order, each one handing over to
+//! the next only when it cannot serve the request:
+//!
+//! 1. a zero-size array owns no memory and touches no cache;
+//! 2. an arena cache bumps its current block;
+//! 3. the cache takes in what other threads returned and what other streams finished with, and
+//!    looks again ([`CacheCell::take`]);
+//! 4. a device allocation is refused while the thread captures a step graph (it would be
+//!    captured, not made);
+//! 5. the backend allocates; when the device is out of memory, the caches give back what no
+//!    array owns (this thread's for that device, then every thread's) and it retries once;
+//! 6. the cache accounts the new buffer ([`CacheCell::adopt`]).
+//!
+//! Zeroing is decided once per allocation, from its [`Init`] and element type ([`Zeroing`]).
+//! A drop goes the other way ([`release`]): to a step graph run that holds its buffers, else
+//! back to the buffer's cache, or to the device.
+
+use crate::backend::{self, AllocError, Backend, Block};
+use crate::cache::{self, CacheCell, Got, Home, Request, Take};
+use crate::trace::record::{self, EventKind, Note};
+use crate::{Error, Result, registry, scope};
+#[cfg(feature = "cuda")]
+use crate::{backend::capture, cuda::held};
+
+/// How a new array's contents must start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Init {
+    /// All zero.
+    Zeroed,
+    /// Anything valid for the element type.
+    Any,
+    /// About to be overwritten entirely.
+    Overwritten,
+}
+
+/// Which buffers an allocation must zero.
+#[derive(Clone, Copy)]
+pub(crate) struct Zeroing {
+    /// A recycled buffer: when asked, or when its old bytes may not be valid for the element
+    /// type.
+    pub(crate) recycled: bool,
+    /// A new buffer from the device: unless it is about to be overwritten.
+    pub(crate) fresh: bool,
+}
+
+impl Init {
+    /// What to zero for an array of an element type for which every bit pattern is valid
+    /// (`any_bit_pattern`) or not.
+    #[inline(always)]
+    pub(crate) const fn zeroing(self, any_bit_pattern: bool) -> Zeroing {
+        Zeroing {
+            recycled: matches!(self, Init::Zeroed)
+                || (matches!(self, Init::Any) && !any_bit_pattern),
+            fresh: !matches!(self, Init::Overwritten),
+        }
+    }
+}
+
+/// The hit path: a free buffer of `req`'s key in the thread's current cache, if it is a plain
+/// one (not recorded, not an arena: those are served by [`alloc_slow`]).
+#[inline(always)]
+pub(crate) fn hit(req: &Request<'_>) -> Option<(Block, Home)> {
+    scope::with_current_plain(|c| c.and_then(|c| c.hit(req)))
+}
+
+/// The allocation when [`hit`] found nothing (see the module docs for the steps). `None` for
+/// a zero-size array.
+pub(crate) fn alloc_slow(req: &Request<'_>, zeroing: Zeroing) -> Result<Option<Got>> {
+    if req.bytes == 0 {
+        backend::check_device(req.device)?;
+        return Ok(None);
+    }
+    scope::with_current(|cache| {
+        let Some(cache) = cache else {
+            let block = device_alloc(req, None, req.bytes, zeroing.fresh)?;
+            return Ok(Some(Got::Fresh(block, None)));
+        };
+        if let Some((view, home)) = cache.bump(req) {
+            return Ok(Some(Got::Recycled(view, home)));
+        }
+        let (capacity, shared) = match cache.take(req) {
+            Take::Hit(block, home) => return Ok(Some(Got::Recycled(block, home))),
+            Take::Failed(e) => return Err(e),
+            Take::Bypass => {
+                let block = device_alloc(req, Some(cache), req.bytes, zeroing.fresh)?;
+                return Ok(Some(Got::Fresh(block, None)));
+            }
+            Take::Miss { capacity, shared } => (capacity, shared),
+        };
+        // A block shared by views is handed out as recycled memory: it starts zeroed.
+        let block = device_alloc(req, Some(cache), capacity, zeroing.fresh || shared)?;
+        cache.adopt(req, block).map(Some)
+    })
+}
+
+/// A new block of `capacity` bytes for `req` (zeroed if `zeroed`), for the thread's current
+/// cache `cache` (if any): refused while the thread captures a step graph; on out of memory,
+/// the caches give back what they hold for the device and it retries once.
+fn device_alloc(
+    req: &Request<'_>,
+    cache: Option<&CacheCell>,
+    capacity: usize,
+    zeroed: bool,
+) -> Result<Block> {
+    #[cfg(feature = "cuda")]
+    if req.device.is_cuda() && capture::capturing() {
+        return Err(capture::fail(|| Error::CaptureMiss {
+            cache: cache.map_or_else(String::new, |c| c.name().to_owned()),
+            dtype: req.dtype,
+            dims: req.dims.to_vec(),
+            device: req.device,
+        }));
+    }
+    let backend = backend::resolve(req.device)?;
+    match Block::alloc(&backend, req.device, capacity, zeroed) {
+        Ok(block) => Ok(block),
+        Err(AllocError::Other(e)) => Err(e),
+        Err(AllocError::OutOfMemory) => recover(&backend, req, cache, capacity, zeroed),
+    }
+}
+
+/// The device is out of memory: gives back what every cache holds on it that no array owns
+/// (this thread's caches first, then every thread's) and retries once.
+#[cold]
+#[inline(never)]
+fn recover(
+    backend: &std::sync::Arc<dyn Backend>,
+    req: &Request<'_>,
+    cache: Option<&CacheCell>,
+    capacity: usize,
+    zeroed: bool,
+) -> Result<Block> {
+    let device = req.device;
+    let before = backend.stats(device).bytes_allocated;
+    registry::release_cached(Some(device), true);
+    let released = before.saturating_sub(backend.stats(device).bytes_allocated);
+    let retry = Block::alloc(backend, device, capacity, zeroed);
+    note_out_of_memory(req, cache, released, retry.is_ok());
+    match retry {
+        Ok(block) => Ok(block),
+        Err(AllocError::Other(e)) => Err(e),
+        Err(AllocError::OutOfMemory) => {
+            // What caches still hold on the device that no array owns: free lists and dropped
+            // buffers of scopes active on other threads.
+            let cached = registry::unowned_bytes(device);
+            let allocated = backend.stats(device).bytes_allocated;
+            Err(Error::OutOfMemory {
+                device,
+                requested: req.bytes,
+                cached,
+                in_use: allocated.saturating_sub(cached),
+            })
+        }
+    }
+}
+
+/// Reports an allocation that ran out of memory, the bytes released and the retry's outcome:
+/// as a `tracing` warning (feature `tracing`) and a recorded event.
+fn note_out_of_memory(
+    req: &Request<'_>,
+    cache: Option<&CacheCell>,
+    released: usize,
+    recovered: bool,
+) {
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        device = %req.device,
+        requested = req.bytes,
+        released,
+        recovered,
+        "out of memory: gave back cached buffers and retried"
+    );
+    if record::on() {
+        record::push(Note {
+            bytes: req.bytes,
+            device: Some(req.device),
+            stream: backend::current_stream_id(req.device),
+            ..Note::about(
+                EventKind::OutOfMemory {
+                    released,
+                    recovered,
+                },
+                cache.map(CacheCell::trace_id),
+            )
+        });
+    }
+}
+
+/// Where a dropped array's buffer goes: to the step graph run in progress on this thread, if
+/// it holds buffers; else back to the buffer's cache, or to the device when it has none.
+#[inline(always)]
+pub(crate) fn release(block: Block, home: Option<Home>) {
+    #[cfg(feature = "cuda")]
+    if capture::holding() && block.cuda().is_some() {
+        return held::hold(block, home);
+    }
+    cache::return_block(block, home, scope::current_ptr());
+}

@@ -1,0 +1,182 @@
+//! Arena blocks: one device allocation each, in an `Arc` of its own, handed out to arrays as
+//! views, with the biased count of the views alive (see the `arena` module for how they are
+//! used). This file holds the data and its `unsafe` handling; it knows nothing of the cache state.
+
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering::*};
+
+use crate::backend::{AllocError, Backend, Block, Storage};
+use crate::stats::GaugeIx;
+use crate::{Device, DeviceStats, Result};
+
+/// The `slot` of the [`Home`] of every arena array.
+pub(in crate::cache) const VIEW_SLOT: u32 = u32::MAX;
+
+/// Arrays start at multiples of this many bytes in their block (as `cudaMalloc` aligns).
+pub(crate) const ALIGN: usize = 256;
+
+/// `bytes` rounded up to [`ALIGN`] (`None` past the largest size).
+#[inline]
+pub(in crate::cache) fn aligned(bytes: usize) -> Option<usize> {
+    bytes.checked_next_multiple_of(ALIGN)
+}
+
+/// One block of an arena cache and the count of arrays bumped from it; the backend of its
+/// views.
+pub(in crate::cache) struct ArenaBlock {
+    pub(in crate::cache) block: Block,
+    /// Views made minus views dropped on the owner thread, until retired (lock holder only).
+    pub(in crate::cache) local: AtomicUsize,
+    /// Until retired: minus the views dropped on other threads. After: the views alive.
+    pub(in crate::cache) shared: AtomicIsize,
+    /// Set by the lock holder when the block is retired.
+    pub(in crate::cache) retired: AtomicBool,
+    /// The cache's generation when the block was made.
+    pub(in crate::cache) generation: u32,
+    /// The pointer `Arc::into_raw` gave for this block (set once, when it is made).
+    pub(in crate::cache) this: AtomicPtr<ArenaBlock>,
+}
+
+impl fmt::Debug for ArenaBlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ArenaBlock")
+            .field("block", &self.block)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The arena block as the backend of its views, which hold no count of its `Arc`: they are given
+/// back with [`Block::drop_view`] by [`CacheCell::release_view`]. `free` is called only if a view
+/// is dropped instead, which no path does: it frees nothing (a CUDA view leaks its slice back)
+/// and adds the count that the drop of the view's `Arc` takes off, so that the block stays
+/// alive (its view count never reaches zero: it is kept, never freed twice).
+impl Backend for ArenaBlock {
+    fn alloc(&self, _: Device, _: usize, _: bool) -> Result<Storage, AllocError> {
+        // Never called: views are made by `Block::view`, not allocated.
+        Err(AllocError::OutOfMemory)
+    }
+
+    fn free(&self, _: Device, _storage: Storage) {
+        debug_assert!(
+            false,
+            "an arena array's buffer was dropped without its arena"
+        );
+        // SAFETY: `this` came from `Arc::into_raw`, and the `Arc` is alive: the view being
+        // dropped points at it.
+        unsafe { Arc::increment_strong_count(self.this.load(Relaxed)) };
+    }
+
+    fn stats(&self, _: Device) -> DeviceStats {
+        DeviceStats::default()
+    }
+}
+
+/// A pointer to an [`ArenaBlock`] in its `Arc` (made by [`ArenaBlock::new`], which gives the
+/// pointer the one count of the `Arc`; taken back by [`ArenaBlock::into_block`]).
+pub(in crate::cache) type BlockPtr = NonNull<ArenaBlock>;
+
+impl ArenaBlock {
+    pub(in crate::cache) fn new(block: Block, generation: u32) -> BlockPtr {
+        let arena = Arc::new(ArenaBlock {
+            block,
+            local: AtomicUsize::new(0),
+            shared: AtomicIsize::new(0),
+            retired: AtomicBool::new(false),
+            generation,
+            this: AtomicPtr::new(std::ptr::null_mut()),
+        });
+        let this = Arc::into_raw(arena).cast_mut();
+        // SAFETY: `Arc::into_raw` gives a valid pointer, never null.
+        let this = unsafe { NonNull::new_unchecked(this) };
+        // SAFETY: as above; no view exists yet.
+        unsafe { this.as_ref() }.this.store(this.as_ptr(), Relaxed);
+        this
+    }
+
+    /// Takes the block back from its `Arc`, ending the use of the views (their streams' events
+    /// are recorded on device memory).
+    ///
+    /// # Safety
+    /// `this` came from [`ArenaBlock::new`], no view of it is alive, and it is not used again.
+    pub(in crate::cache) unsafe fn into_block(this: BlockPtr) -> Block {
+        // SAFETY: made by `Arc::into_raw` in `new`; the caller gives up the pointer and its count.
+        let arena = unsafe { Arc::from_raw(this.as_ptr()) };
+        // Views hold no count, so this is the only one.
+        let Ok(arena) = Arc::try_unwrap(arena) else {
+            unreachable!("a view of an arena block holds a count of it")
+        };
+        let mut block = arena.block;
+        block.end_use();
+        block
+    }
+
+    /// The block, mutable.
+    ///
+    /// # Safety
+    /// No view of it is alive, and the caller holds the cache's lock (the only way to reach a
+    /// block of the cache's): nothing else refers to it while the result lives.
+    #[allow(clippy::mut_from_ref)] // no view, no other reference: the caller makes it unique
+    pub(in crate::cache) unsafe fn block_mut<'a>(this: BlockPtr) -> &'a mut Block {
+        // SAFETY: the pointer came from `Arc::into_raw` (write provenance) and is unaliased
+        // (caller).
+        unsafe { &mut (*this.as_ptr()).block }
+    }
+
+    /// The views alive (lock holder, before retirement).
+    pub(in crate::cache) fn views(&self) -> isize {
+        self.local.load(Relaxed) as isize + self.shared.load(Acquire)
+    }
+}
+
+/// A block of the current step and the bytes bumped from it.
+pub(in crate::cache) struct Used {
+    pub(in crate::cache) arena: BlockPtr,
+    pub(in crate::cache) top: usize,
+}
+
+// SAFETY: a `Used` is part of a cache's state, reached only by the holder of its lock (on any
+// thread); it stands for the cache's count of an `Arc<ArenaBlock>`, whose fields are `Send` and
+// `Sync` (a block, and atomics).
+unsafe impl Send for Used {}
+
+/// The arena of one device.
+pub(in crate::cache) struct DeviceArena {
+    pub(in crate::cache) device: Device,
+    pub(in crate::cache) gauge: GaugeIx,
+    /// The block bumped from; `None` until the first bump of a step finds one.
+    pub(in crate::cache) current: Option<Used>,
+    /// Earlier blocks of this step (it overflowed them).
+    pub(in crate::cache) extra: Vec<Used>,
+    /// Whether `current` has not been bumped from since it became current.
+    pub(in crate::cache) fresh: bool,
+    /// Bytes bumped in this step.
+    pub(in crate::cache) step: usize,
+    /// The size of the next block: the most bytes a step has bumped.
+    pub(in crate::cache) want: usize,
+    /// Blocks no array uses, oldest first (a device may still be using those waiting for
+    /// events on other streams).
+    pub(in crate::cache) spares: Vec<Block>,
+}
+
+/// The arenas of a cache: one per device it has allocated on.
+#[derive(Default)]
+pub(in crate::cache) struct Arenas {
+    pub(in crate::cache) devices: Vec<DeviceArena>,
+}
+
+impl Arenas {
+    /// The arena of `device`, if it has one.
+    #[inline]
+    pub(in crate::cache) fn of(&mut self, device: Device) -> Option<&mut DeviceArena> {
+        self.devices.iter_mut().find(|a| a.device == device)
+    }
+
+    /// Whether no arena holds a block (retired blocks aside).
+    pub(in crate::cache) fn is_empty(&self) -> bool {
+        self.devices
+            .iter()
+            .all(|a| a.current.is_none() && a.extra.is_empty() && a.spares.is_empty())
+    }
+}

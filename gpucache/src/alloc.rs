@@ -137,7 +137,7 @@ fn recover(
 ) -> Result<Block> {
     let device = req.device;
     let before = backend.stats(device).bytes_allocated;
-    registry::release_cached(Some(device), true);
+    registry::give_back_unowned(Some(device), true);
     let released = before.saturating_sub(backend.stats(device).bytes_allocated);
     let retry = Block::alloc(backend, device, capacity, zeroed);
     note_out_of_memory(req, cache, released, retry.is_ok());

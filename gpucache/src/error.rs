@@ -130,7 +130,7 @@ pub enum Error {
     /// `NcclError` does not implement `std::error::Error`, so it is not a source).
     #[cfg(feature = "nccl")]
     #[error("NCCL call failed with {:?}", .0.0)]
-    Nccl(crate::nccl::NcclError),
+    Nccl(cudarc::nccl::result::NcclError),
 
     /// A rank (own, root or peer) that is not below the communicator's number of ranks.
     #[cfg(feature = "nccl")]

@@ -167,26 +167,8 @@
 //! * A byte cap (`max_cached_bytes`) over exact keys does not fix varying shapes: the cache
 //!   evicts the buffers the next steps would have hit, and allocates nearly every step.
 //!
-//! Measured with `cargo bench -p gpucache --features cuda --bench shapes`: 2,000 steps, each of
-//! a batch drawn from 1..=64 and four arrays (`[b, 512]`, `[b, 512]`, `[b, 256]` f32 and `[b]`
-//! i64; the largest step is 0.31 MiB). Device allocations over the run and in its second half,
-//! the peak, the bytes cached at the end against the largest step, and the time per step of the
-//! second half against exact keys, median (range) over 7 interleaved rounds: on the CPU of the
-//! 2-core development VM, and on an NVIDIA H100 (each step ending with a stream
-//! synchronisation). The counts are the same on both.
-//!
-//! | policy | device allocs (2nd half) | hits | peak | cached (/ largest step) | CPU time vs exact | H100 time vs exact |
-//! |---|---|---|---|---|---|---|
-//! | exact | 256 (0) | 96.8% | 10.17 MiB | 10.17 MiB (32.5x) | 1.00 (0.31 µs) | 1.00 (7.8 µs) |
-//! | exact, cap = 2 steps | 7593 (3815) | 5.1% | 0.93 MiB | 0.54 MiB (1.73x) | 14.5 (13.3–15.8) | 4.97 (4.90–5.12) |
-//! | size classes | 45 (0) | 99.4% | 1.58 MiB | 1.58 MiB (5.04x) | 1.02 (0.90–1.14) | 0.96 (0.95–1.00) |
-//! | arena | 7 (0) | 99.9% | 0.90 MiB | 0.31 MiB (1.00x) | 0.74 (0.61–0.81) | 1.51 (1.49–1.54) |
-//!
-//! The arena's peak is its first steps, which grow into extra blocks before one block sized to
-//! the largest step replaces them. On the H100 an arena step took about 4 µs more than an
-//! exact-key step (1 µs per array): there each arena array is a cudarc slice of its own over
-//! its part of the block, for which cudarc creates two events (its cross-stream tracking),
-//! while an exact-key hit reuses its buffer's slice (the likely cause; not measured apart).
+//! How each policy fares (device allocations, peak bytes, time per step) is measured by the
+//! benches, and the figures are kept in the repository's BENCHMARKS.md.
 //!
 //! ## Threads
 //!
@@ -316,13 +298,13 @@ mod device;
 mod dtype;
 mod error;
 mod instrument;
+mod metrics;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
 mod registry;
 mod scope;
 mod shape;
-mod stats;
 pub mod testing;
 mod thread;
 pub mod trace;
@@ -333,12 +315,12 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use metrics::{CacheStats, DeviceStats, DeviceUsage, Snapshot, SnapshotRow};
 pub use registry::{
     configure, device_stats, empty_cache, invalidate, reset_peak, snapshot, stats, summary,
 };
 pub use scope::{ScopeGuard, current_scope, enter};
 pub use shape::Shape;
-pub use stats::{CacheStats, DeviceStats, DeviceUsage, Snapshot, SnapshotRow};
 
 /// The block macro `cache_scope!(name, { ... })`: runs a block inside the scope `name`. (The
 /// attribute is [`#[cache_scope]`](crate::prelude::cache_scope) in the prelude.)

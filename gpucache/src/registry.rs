@@ -17,7 +17,7 @@ use thread_local::ThreadLocal;
 
 use crate::backend;
 use crate::cache::CacheCell;
-use crate::stats::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
+use crate::metrics::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
 use crate::trace::record;
 use crate::{CacheConfig, Device, DeviceStats, Result};
 
@@ -222,7 +222,7 @@ pub fn empty_cache() {
     if record::on() {
         record::push(record::Note::about(record::EventKind::EmptyCache, None));
     }
-    release_cached(None, false);
+    give_back_unowned(None, false);
 }
 
 /// Sets the options of cache `name` on every thread: the caches of that name that exist (the
@@ -348,7 +348,7 @@ pub fn device_stats(device: Device) -> Result<DeviceStats> {
 /// buffers returned by other threads, at once; free lists and deferred buffers, at once for this
 /// thread's caches and idle ones, at the scope's exit for a cache active on another thread;
 /// with `pending`, also what this thread's active scopes hold for their exit.
-pub(crate) fn release_cached(device: Option<Device>, pending: bool) {
+pub(crate) fn give_back_unowned(device: Option<Device>, pending: bool) {
     for cell in all_cells() {
         cell.free_returned(device);
         if cell.is_owned_here() {
@@ -360,7 +360,7 @@ pub(crate) fn release_cached(device: Option<Device>, pending: bool) {
 }
 
 /// Frees the free lists of this thread's caches, for `device` (or all devices).
-pub(crate) fn release_own(device: Option<Device>) {
+pub(crate) fn give_back_own(device: Option<Device>) {
     let cells = LOCAL
         .try_with(|local| local.caches.borrow().values().cloned().collect())
         .unwrap_or_else(|_| Vec::<Arc<CacheCell>>::new());

@@ -176,7 +176,7 @@ impl Backend for CountingBackend {
 /// of two backends. Buffers always go back to the backend that allocated them, whichever thread
 /// drops them.
 pub fn use_backend(backend: &Arc<CountingBackend>) -> BackendGuard {
-    crate::registry::release_own(Some(Device::Cpu));
+    crate::registry::give_back_own(Some(Device::Cpu));
     let backend: Arc<dyn Backend> = Arc::clone(backend) as Arc<dyn Backend>;
     BackendGuard {
         id: backend::push_cpu_override(backend),
@@ -199,7 +199,7 @@ impl fmt::Debug for BackendGuard {
 
 impl Drop for BackendGuard {
     fn drop(&mut self) {
-        crate::registry::release_own(Some(Device::Cpu));
+        crate::registry::give_back_own(Some(Device::Cpu));
         backend::remove_cpu_override(self.id);
     }
 }

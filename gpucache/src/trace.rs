@@ -43,8 +43,8 @@
 //! [`MAX_EVENTS_PER_THREAD`] events (`GPUCACHE_TRACE_MAX_EVENTS` changes it); events past that
 //! are counted in [`Trace::dropped`], not kept. While recording is off, the hit path and drops
 //! pay nothing (the test of a cache's flags they make anyway sends a recorded cache to the slow
-//! path) and a scope's entry and exit one test each. While it is on, an event costs about 160 ns
-//! (an H100 machine's host CPU; the repository's BENCHMARKS.md has the measurements).
+//! path) and a scope's entry and exit one test each. While it is on, each event is a write into
+//! the thread's own buffer (the repository's BENCHMARKS.md has what that costs).
 
 mod chrome;
 pub(crate) mod record;

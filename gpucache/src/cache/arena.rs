@@ -8,7 +8,7 @@
 //! [plain](CacheCell::is_plain): the free-list hit, the release of a dropped array on the owner
 //! thread and the scope exit all test that one byte anyway (for closed and traced caches), and
 //! send an arena cache to their slow paths, which serve it here: a bump in [`CacheCell::take`],
-//! the drop of a view in [`CacheCell::release_view`], the end of a step in
+//! the drop of a view in [`CacheCell::send_view_home`], the end of a step in
 //! [`CacheCell::exit_slow`]. Nothing on the paths of other caches tests for arenas or views.
 //! The flag stays set while arrays of an arena may be alive (after a change of key policy),
 //! so that a view always finds its way back here.
@@ -47,11 +47,11 @@ use std::mem;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::*;
 
-use super::lists::Inner;
+use super::counters::{Counters, GaugeIx, add, sub};
+use super::state::CacheState;
 use super::{ARENA, CacheCell, Got, Home, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, KeyPolicy};
-use crate::stats::{Counters, GaugeIx, add, sub};
 use crate::trace::record::{self, EventKind, Note};
 use crate::{Device, Result};
 use block::{ArenaBlock, BlockPtr, DeviceArena, Used, VIEW_SLOT, aligned};
@@ -82,7 +82,7 @@ fn free_cached(st: &Counters, g: GaugeIx, block: Block) {
     st.freed(g, block.bytes());
 }
 
-impl Inner {
+impl CacheState {
     /// The hit path of an arena cache: a view of the current block, if `req` fits in it.
     #[inline(always)]
     fn bump(&mut self, st: &Counters, req: &Request<'_>) -> Option<Result<Block>> {
@@ -121,7 +121,7 @@ impl Inner {
         Some(Ok(view))
     }
 
-    /// After [`Inner::bump`] found no room: makes an idle spare big enough current and bumps
+    /// After [`CacheState::bump`] found no room: makes an idle spare big enough current and bumps
     /// from it, or says how big a new block must be.
     fn bump_slow(
         &mut self,
@@ -256,7 +256,7 @@ impl Inner {
     /// `pending` (no scope active, or out-of-memory recovery), the step's blocks whose arrays
     /// have all dropped. With `retire`, blocks
     /// that arrays still use are retired (invalidation, closing).
-    pub(super) fn release_arenas(
+    pub(super) fn free_arenas(
         &mut self,
         st: &Counters,
         device: Option<Device>,
@@ -452,24 +452,24 @@ impl DeviceArena {
 impl CacheCell {
     /// Applies `config` (lock holder): the arena flag follows the key policy, and stays set
     /// while arrays of an arena may be alive.
-    pub(super) fn configure_locked(&self, inner: &mut Inner, config: CacheConfig) {
-        inner.configure(&self.stats, config);
-        inner.evict_spares(&self.stats, config.max_cached_bytes);
-        self.sync_arena_flag(inner);
+    pub(super) fn configure_locked(&self, state: &mut CacheState, config: CacheConfig) {
+        state.configure(&self.stats, config);
+        state.evict_spares(&self.stats, config.max_cached_bytes);
+        self.sync_arena_flag(state);
     }
 
     /// Sets the [`ARENA`] flag for an arena cache, and clears it once a cache that is no longer
     /// one holds no arena block and no array of it is alive (`live` counts retired arena
     /// blocks, and arrays of free lists: a conservative test).
-    fn sync_arena_flag(&self, inner: &mut Inner) {
+    fn sync_arena_flag(&self, state: &mut CacheState) {
         let set = self.flags.load(Relaxed) & ARENA != 0;
-        if inner.config.key == KeyPolicy::Arena {
+        if state.config.key == KeyPolicy::Arena {
             if !set {
                 self.flags.fetch_or(ARENA, Relaxed);
             }
         } else if set {
-            inner.release_arenas(&self.stats, None, true, false);
-            if inner.arenas.is_empty() && inner.live == 0 {
+            state.free_arenas(&self.stats, None, true, false);
+            if state.arenas.is_empty() && state.live == 0 {
                 self.flags.fetch_and(!ARENA, Relaxed);
             }
         }
@@ -486,49 +486,53 @@ impl CacheCell {
         }
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
-        let inner = unsafe { self.locked() };
-        if inner.config.key != KeyPolicy::Arena {
+        let state = unsafe { self.locked() };
+        if state.config.key != KeyPolicy::Arena {
             return None;
         }
-        let view = inner.bump(&self.stats, req)?.ok()?;
-        Some((view, self.home(VIEW_SLOT, inner.generation)))
+        let view = state.bump(&self.stats, req)?.ok()?;
+        Some((view, self.home(VIEW_SLOT, state.generation)))
     }
 
     /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for an arena cache a bump, or
     /// the size of a new block. A cache that is no longer one (its arrays keep the flag set)
     /// first looks up its free list as the hit path does (`None`: go on as for any cache).
     #[inline(never)]
-    pub(super) fn take_flagged(&self, inner: &mut Inner, req: &Request<'_>) -> Option<Take> {
-        if inner.config.key == KeyPolicy::Arena {
+    pub(super) fn take_flagged(&self, state: &mut CacheState, req: &Request<'_>) -> Option<Take> {
+        if state.config.key == KeyPolicy::Arena {
             // A bump is the hit path: it takes nothing in, as a free-list hit does not.
-            if let Some(got) = inner.bump(&self.stats, req) {
-                return Some(self.bumped(inner, Ok(got)));
+            if let Some(got) = state.bump(&self.stats, req) {
+                return Some(self.bumped(state, Ok(got)));
             }
-            self.drain_returned(inner, true);
-            inner.poll_deferred(&self.stats);
-            let got = match inner.bump(&self.stats, req) {
+            self.drain_returned(state, true);
+            state.poll_deferred(&self.stats);
+            let got = match state.bump(&self.stats, req) {
                 Some(got) => Ok(got),
-                None => inner.bump_slow(&self.stats, req),
+                None => state.bump_slow(&self.stats, req),
             };
-            return Some(self.bumped(inner, got));
+            return Some(self.bumped(state, got));
         }
         if self.traced() {
             return None;
         }
-        let slot = inner.find(inner.key(req))?;
-        let block = inner.pop(&self.stats, slot)?;
-        Some(Take::Hit(block, self.home(slot, inner.generation)))
+        let slot = state.find(state.key(req))?;
+        let block = state.pop(&self.stats, slot)?;
+        Some(Take::Hit(block, self.home(slot, state.generation)))
     }
 
     /// What a bump (or the slow path's) gives the caller.
     #[inline(always)]
-    fn bumped(&self, inner: &mut Inner, got: std::result::Result<Result<Block>, Grow>) -> Take {
+    fn bumped(
+        &self,
+        state: &mut CacheState,
+        got: std::result::Result<Result<Block>, Grow>,
+    ) -> Take {
         match got {
             Ok(Ok(view)) => {
                 if self.traced() {
-                    inner.note_bump(&self.stats, EventKind::Hit, &view);
+                    state.note_bump(&self.stats, EventKind::Hit, &view);
                 }
-                Take::Hit(view, self.home(VIEW_SLOT, inner.generation))
+                Take::Hit(view, self.home(VIEW_SLOT, state.generation))
             }
             Ok(Err(e)) => Take::Failed(e),
             Err(Grow::Alloc(capacity)) => Take::Miss {
@@ -542,17 +546,17 @@ impl CacheCell {
     /// [`CacheCell::adopt`] for an arena cache: `block` becomes the current block.
     pub(super) fn adopt_arena(
         &self,
-        inner: &mut Inner,
+        state: &mut CacheState,
         req: &Request<'_>,
         block: Block,
     ) -> Result<Got> {
-        match inner.adopt_block(&self.stats, req, block) {
+        match state.adopt_block(&self.stats, req, block) {
             Ok(view) => {
                 let view = view?;
                 if self.traced() {
-                    inner.note_bump(&self.stats, EventKind::Miss, &view);
+                    state.note_bump(&self.stats, EventKind::Miss, &view);
                 }
-                Ok(Got::Recycled(view, self.home(VIEW_SLOT, inner.generation)))
+                Ok(Got::Recycled(view, self.home(VIEW_SLOT, state.generation)))
             }
             Err(block) => Ok(Got::Fresh(block, None)),
         }
@@ -565,11 +569,11 @@ impl CacheCell {
     pub(crate) fn exit_slow(&self) {
         if self.flags.load(Relaxed) & ARENA != 0 && self.depth.load(Relaxed) == 1 {
             // SAFETY: (see `locked`) the owner thread, inside the outermost scope of the cell.
-            let inner = unsafe { self.locked() };
+            let state = unsafe { self.locked() };
             // Retired blocks returned meanwhile first: they may be spares for the next step.
-            self.drain_returned(inner, false);
-            inner.end_step(&self.stats);
-            self.sync_arena_flag(inner);
+            self.drain_returned(state, false);
+            state.end_step(&self.stats);
+            self.sync_arena_flag(state);
         }
         if self.traced() {
             self.exit_traced();
@@ -582,28 +586,34 @@ impl CacheCell {
     /// goes back under the lock; elsewhere only the block's count changes, and the last view of
     /// a retired block sends the block home.
     ///
-    /// Inlined, so that the view is taken apart where it is (moving the view to another frame
-    /// cost a stalled copy); the rest is out of line, in [`CacheCell::view_dropped`].
+    /// Inlined, so that the view is taken apart in the drop's own frame rather than moved into
+    /// another one; the rest is out of line, in [`CacheCell::view_dropped`]. (The `hit_path`
+    /// bench and an instruction count of alloc + drop show what such moves cost.)
     #[inline(always)]
-    pub(super) fn release_view(home: Home, view: Block, current: *const CacheCell) {
-        // The view's backend is its arena block (see `Inner::bump`).
+    pub(super) fn send_view_home(home: Home, view: Block, current: *const CacheCell) {
+        // The view's backend is its arena block (see `CacheState::bump`).
         let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };
         #[cfg(feature = "cuda")]
         if view.cuda().is_some() {
-            return Self::release_cuda_view(home, view, arena, current);
+            return Self::send_cuda_view_home(home, view, arena, current);
         }
         // SAFETY: `view` was made by `Block::view`.
         unsafe { view.drop_view() };
         Self::view_dropped(home, arena, current);
     }
 
-    /// [`CacheCell::release_view`] of a view of device memory: the streams it was used on
+    /// [`CacheCell::send_view_home`] of a view of device memory: the streams it was used on
     /// order the block's next use.
     #[cfg(feature = "cuda")]
     #[inline(never)]
-    fn release_cuda_view(home: Home, mut view: Block, arena: BlockPtr, current: *const CacheCell) {
+    fn send_cuda_view_home(
+        home: Home,
+        mut view: Block,
+        arena: BlockPtr,
+        current: *const CacheCell,
+    ) {
         if let Some(v) = view.cuda_mut() {
             // SAFETY: the block is alive while a view of it is.
             if let Some(parent) = unsafe { arena.as_ref() }.block.cuda() {
@@ -625,10 +635,10 @@ impl CacheCell {
         if std::ptr::eq(current, cell) && !cell.is_closed() {
             // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
             // is the owner thread, inside a scope of the cell.
-            let inner = unsafe { cell.locked() };
-            inner.drop_view(&cell.stats, arena);
+            let state = unsafe { cell.locked() };
+            state.drop_view(&cell.stats, arena);
         } else if cell.is_owned_here() && !cell.is_closed() {
-            cell.owned(|inner, st| inner.drop_view(st, arena));
+            cell.owned(|state, st| state.drop_view(st, arena));
         } else {
             // SAFETY: as above.
             let counts = unsafe { arena.as_ref() };
@@ -639,7 +649,7 @@ impl CacheCell {
                 };
                 // SAFETY: that was the last view of a retired block.
                 let block = unsafe { ArenaBlock::into_block(arena) };
-                super::remote::release_remote(home, block);
+                super::remote::send_home_remote(home, block);
             }
         }
     }

@@ -1,18 +1,18 @@
 //! One named cache of one thread: free lists by key, busy accounting, configuration, eviction.
 //!
 //! This file holds the cell and the hit path; [`key`] the free-list keys and their hash;
-//! [`lists`] the state behind the lock (key table, free lists, least-recently-freed order,
+//! [`state`] the state behind the lock (key table, free lists, least-recently-freed order,
 //! buffers waiting for the scope's exit); [`lock`] the cell's lock and the hints other threads
 //! leave with it; [`remote`] what other threads write (returned buffers, requests, the state
 //! after the owner exits).
 //!
 //! # Who touches what
 //!
-//! A [`CacheCell`] belongs to the thread that created it (its *owner*). Its state ([`Inner`]: the
+//! A [`CacheCell`] belongs to the thread that created it (its *owner*). Its state ([`CacheState`]: the
 //! key map, the free lists, the buffers waiting for the scope to exit) sits behind `lock`, a
 //! one-byte lock with a twist: the owner takes it when the cache's outermost scope is entered and
 //! keeps it until that scope exits. Inside a scope every allocation and every drop on the owner
-//! thread therefore works on `Inner` directly, with no atomic read-modify-write and nothing
+//! thread therefore works on `CacheState` directly, with no atomic read-modify-write and nothing
 //! another thread contends for. Outside a scope the owner takes the lock for each operation.
 //!
 //! Other threads touch a cache in three ways only:
@@ -40,10 +40,11 @@
 //! other threads count under the `remote` mutex once the cell is closed).
 
 mod arena;
+pub(crate) mod counters;
 mod key;
-mod lists;
 mod lock;
 mod remote;
+mod state;
 mod traced;
 
 use std::cell::UnsafeCell;
@@ -54,16 +55,17 @@ use std::sync::atomic::{AtomicU8, AtomicU32, Ordering::*};
 
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy};
-use crate::stats::{CacheStats, Counters, DeviceBytes, add};
+use crate::metrics::CacheStats;
 use crate::thread;
 use crate::trace::record::{self, EventKind};
 use crate::{DType, Device};
+use counters::{Counters, DeviceBytes, add};
 
 use arena::block::VIEW_SLOT;
-use lists::Inner;
 use lock::{CellLock, REQUESTED};
 pub(crate) use remote::Requests;
-use remote::{RemoteSide, release_remote};
+use remote::{RemoteSide, send_home_remote};
+use state::CacheState;
 
 /// [`CacheCell::flags`]: the owner thread has exited.
 const CLOSED: u8 = 1;
@@ -147,32 +149,32 @@ pub(crate) struct CacheCell {
     /// test `CLOSED` anyway, send a traced or arena cache to the slow path with the same test
     /// ([`CacheCell::is_plain`]).
     flags: AtomicU8,
-    inner: UnsafeCell<Inner>,
+    state: UnsafeCell<CacheState>,
     stats: Counters,
     remote: RemoteSide,
     /// The cache's number in recorded events.
     trace_id: u32,
 }
 
-// SAFETY: `inner` is only accessed by the thread holding `lock` (the owner during an active scope
-// or an operation, another thread after `try_lock`), and `Inner` is `Send`. `depth` and `closed`
+// SAFETY: `state` is only accessed by the thread holding `lock` (the owner during an active scope
+// or an operation, another thread after `try_lock`), and `CacheState` is `Send`. `depth` and `closed`
 // are atomics; the rest is immutable or behind its own mutex.
 unsafe impl Sync for CacheCell {}
 
 /// Holds a cell's lock; releasing it serves the requests left meanwhile.
-struct Held<'a>(&'a CacheCell);
+struct LockGuard<'a>(&'a CacheCell);
 
-impl Held<'_> {
-    fn inner(&mut self) -> &mut Inner {
-        // SAFETY: (see `CacheCell::locked`) this `Held` holds the lock; `&mut self` makes the
+impl LockGuard<'_> {
+    fn state(&mut self) -> &mut CacheState {
+        // SAFETY: (see `CacheCell::locked`) this `LockGuard` holds the lock; `&mut self` makes the
         // reference unique for as long as it lives.
         unsafe { self.0.locked() }
     }
 }
 
-impl Drop for Held<'_> {
+impl Drop for LockGuard<'_> {
     fn drop(&mut self) {
-        // SAFETY: a `Held` is only made after taking the lock, which it still holds.
+        // SAFETY: a `LockGuard` is only made after taking the lock, which it still holds.
         unsafe { self.0.unlock() };
     }
 }
@@ -196,7 +198,7 @@ impl CacheCell {
                         0
                     },
             ),
-            inner: UnsafeCell::new(Inner::new(config, trace_id)),
+            state: UnsafeCell::new(CacheState::new(config, trace_id)),
             stats: Counters::default(),
             remote: RemoteSide::default(),
             trace_id,
@@ -304,7 +306,7 @@ impl CacheCell {
     /// returned one is. At every call site two facts give this:
     /// * **Who holds the lock.** The owner takes it at the outermost [`CacheCell::enter`] and
     ///   keeps it until the matching [`CacheCell::exit`], so on the owner thread, while a scope
-    ///   of the cell is active (`depth > 0`), the owner holds it. Otherwise a [`Held`] guard
+    ///   of the cell is active (`depth > 0`), the owner holds it. Otherwise a [`LockGuard`] guard
     ///   does (the owner outside a scope, or another thread after `try_lock`).
     /// * **Nothing nests.** A cache operation takes this reference once, calls only the
     ///   backend (which knows nothing of caches and scopes) and its own helpers while it holds
@@ -312,9 +314,9 @@ impl CacheCell {
     ///   separate operations, one after the other, on the owner thread.
     #[allow(clippy::mut_from_ref)] // the lock, not the borrow, makes it unique
     #[inline(always)]
-    unsafe fn locked(&self) -> &mut Inner {
+    unsafe fn locked(&self) -> &mut CacheState {
         // SAFETY: the caller upholds the conditions above.
-        unsafe { &mut *self.inner.get() }
+        unsafe { &mut *self.state.get() }
     }
 
     /// Gives the lock up, after serving the requests other threads left meanwhile. The common
@@ -349,21 +351,21 @@ impl CacheCell {
     }
 
     /// Carries out what other threads asked for, if the [`REQUESTED`] hint is set (lock holder).
-    fn serve_requests(&self, inner: &mut Inner) {
+    fn serve_requests(&self, state: &mut CacheState) {
         if !self.lock.take(REQUESTED) {
             return;
         }
         let requests = mem::take(&mut self.remote.state.lock().requests);
-        self.drain_returned(inner, false);
+        self.drain_returned(state, false);
         if let Some(config) = requests.config {
-            self.configure_locked(inner, config);
+            self.configure_locked(state, config);
         }
         if requests.invalidate {
-            inner.invalidate(&self.stats);
+            state.invalidate(&self.stats);
         }
         // Requests are served with no scope of the cache active.
         for device in requests.flush {
-            inner.give_back(&self.stats, device, true);
+            state.give_back(&self.stats, device, true);
         }
     }
 
@@ -373,28 +375,28 @@ impl CacheCell {
     pub(crate) fn request(&self, add: impl FnOnce(&mut Requests)) -> bool {
         add(&mut self.remote.state.lock().requests);
         // If the lock is held, its holder sees the hint when it unlocks (see `lock`).
-        // Dropping the `Held` serves the request.
+        // Dropping the `LockGuard` serves the request.
         self.lock.set(REQUESTED) && self.try_hold().is_some()
     }
 
-    fn hold(&self) -> Held<'_> {
+    fn hold(&self) -> LockGuard<'_> {
         self.lock.lock();
-        Held(self)
+        LockGuard(self)
     }
 
-    fn try_hold(&self) -> Option<Held<'_>> {
-        self.lock.try_lock().then(|| Held(self))
+    fn try_hold(&self) -> Option<LockGuard<'_>> {
+        self.lock.try_lock().then(|| LockGuard(self))
     }
 
     /// Runs `f` on the cache state. Owner thread only; `f` must not call back into any cache.
-    fn owned<R>(&self, f: impl FnOnce(&mut Inner, &Counters) -> R) -> R {
+    fn owned<R>(&self, f: impl FnOnce(&mut CacheState, &Counters) -> R) -> R {
         debug_assert!(self.is_owned_here());
         if self.is_active() {
             // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
             f(unsafe { self.locked() }, &self.stats)
         } else {
             let mut held = self.hold();
-            f(held.inner(), &self.stats)
+            f(held.state(), &self.stats)
         }
     }
 
@@ -417,9 +419,9 @@ impl CacheCell {
     fn enter_slow(&self) {
         self.lock.lock();
         // SAFETY: (see `locked`) we just took the lock.
-        let inner = unsafe { self.locked() };
-        self.drain_returned(inner, false);
-        self.serve_requests(inner);
+        let state = unsafe { self.locked() };
+        self.drain_returned(state, false);
+        self.serve_requests(state);
     }
 
     /// Exits a scope entered with [`CacheCell::enter`]. The outermost exit frees the buffers
@@ -435,9 +437,9 @@ impl CacheCell {
         }
         {
             // SAFETY: (see `locked`) the owner thread, inside the outermost scope of the cell.
-            let inner = unsafe { self.locked() };
-            self.drain_returned(inner, false);
-            inner.settle(&self.stats);
+            let state = unsafe { self.locked() };
+            self.drain_returned(state, false);
+            state.settle(&self.stats);
         }
         self.depth.store(0, Relaxed);
         // SAFETY: the lock was taken by the outermost `enter`; the borrow above has ended.
@@ -452,10 +454,10 @@ impl CacheCell {
     pub(crate) fn hit(&self, req: &Request<'_>) -> Option<(Block, Home)> {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
-        let inner = unsafe { self.locked() };
-        let slot = inner.find(inner.key(req))?;
-        let block = inner.pop(&self.stats, slot)?;
-        Some((block, self.home(slot, inner.generation)))
+        let state = unsafe { self.locked() };
+        let slot = state.find(state.key(req))?;
+        let block = state.pop(&self.stats, slot)?;
+        Some((block, self.home(slot, state.generation)))
     }
 
     /// After [`CacheCell::hit`] found nothing: takes in the buffers other threads returned and
@@ -463,25 +465,25 @@ impl CacheCell {
     pub(crate) fn take(&self, req: &Request<'_>) -> Take {
         debug_assert!(self.is_owned_here() && self.is_active());
         // SAFETY: (see `locked`) as in `hit`.
-        let inner = unsafe { self.locked() };
+        let state = unsafe { self.locked() };
         if self.flags.load(Relaxed) & ARENA != 0
-            && let Some(took) = self.take_flagged(inner, req)
+            && let Some(took) = self.take_flagged(state, req)
         {
             return took;
         }
-        self.drain_returned(inner, true);
-        inner.poll_deferred(&self.stats);
-        match inner.slot_of(&self.stats, req) {
+        self.drain_returned(state, true);
+        state.poll_deferred(&self.stats);
+        match state.slot_of(&self.stats, req) {
             None => Take::Bypass,
-            Some(slot) => match inner.pop(&self.stats, slot) {
+            Some(slot) => match state.pop(&self.stats, slot) {
                 Some(block) => {
                     if self.traced() {
-                        inner.note_hit(&self.stats, slot, &block);
+                        state.note_hit(&self.stats, slot, &block);
                     }
-                    Take::Hit(block, self.home(slot, inner.generation))
+                    Take::Hit(block, self.home(slot, state.generation))
                 }
                 None => Take::Miss {
-                    capacity: inner.config.key.capacity(req.bytes),
+                    capacity: state.config.key.capacity(req.bytes),
                     shared: false,
                 },
             },
@@ -491,16 +493,16 @@ impl CacheCell {
     /// Accounts a buffer freshly allocated for `req` after a [`Take::Miss`]. Returns what the
     /// array gets: the block, or for an arena cache a view of it.
     pub(crate) fn adopt(&self, req: &Request<'_>, block: Block) -> crate::Result<Got> {
-        self.owned(|inner, st| {
-            if inner.config.key == KeyPolicy::Arena {
-                return self.adopt_arena(inner, req, block);
+        self.owned(|state, st| {
+            if state.config.key == KeyPolicy::Arena {
+                return self.adopt_arena(state, req, block);
             }
-            let Some(slot) = inner.slot_of(st, req) else {
+            let Some(slot) = state.slot_of(st, req) else {
                 return Ok(Got::Fresh(block, None));
             };
-            inner.live += 1;
+            state.live += 1;
             add(&st.misses, 1);
-            st.allocated(inner.slots[slot as usize].gauge, block.bytes());
+            st.allocated(state.slots[slot as usize].gauge, block.bytes());
             #[cfg(feature = "tracing")]
             tracing::debug!(
                 cache = %self.name,
@@ -511,9 +513,9 @@ impl CacheCell {
                 "cache miss: allocated from the device"
             );
             if record::on() {
-                inner.note_block(st, EventKind::Miss, slot, &block);
+                state.note_block(st, EventKind::Miss, slot, &block);
             }
-            Ok(Got::Fresh(block, Some(self.home(slot, inner.generation))))
+            Ok(Got::Fresh(block, Some(self.home(slot, state.generation))))
         })
     }
 
@@ -531,30 +533,30 @@ impl CacheCell {
     /// out-of-memory recovery may take back from its own thread).
     pub(crate) fn give_back_owned(&self, device: Option<Device>, pending: bool) {
         let active = self.is_active();
-        self.owned(|inner, st| {
-            self.drain_returned(inner, active);
-            inner.give_back(st, device, pending || !active);
+        self.owned(|state, st| {
+            self.drain_returned(state, active);
+            state.give_back(st, device, pending || !active);
         });
     }
 
     /// Frees the free lists and the buffers waiting for the scope to exit, and starts a new
     /// generation: buffers of live arrays are freed, not cached, when they drop (owner thread).
     pub(crate) fn invalidate(&self) {
-        self.owned(|inner, st| {
-            self.drain_returned(inner, false);
-            inner.invalidate(st);
+        self.owned(|state, st| {
+            self.drain_returned(state, false);
+            state.invalidate(st);
         });
     }
 
     /// Applies `config` (owner thread). Changing the key policy invalidates the cache.
     pub(crate) fn configure(&self, config: CacheConfig) {
-        self.owned(|inner, _| self.configure_locked(inner, config));
+        self.owned(|state, _| self.configure_locked(state, config));
     }
 
     /// The configuration (owner thread).
     #[cfg(feature = "cuda")]
     pub(crate) fn config(&self) -> CacheConfig {
-        self.owned(|inner, _| inner.config)
+        self.owned(|state, _| state.config)
     }
 
     /// Restarts the peak from the bytes held now (any thread).
@@ -565,33 +567,33 @@ impl CacheCell {
     /// The counters after taking in buffers returned by other threads (owner thread).
     pub(crate) fn stats_owned(&self) -> CacheStats {
         let active = self.is_active();
-        self.owned(|inner, _| self.drain_returned(inner, active));
+        self.owned(|state, _| self.drain_returned(state, active));
         self.snapshot()
     }
 
     /// Closes the cache when its owner thread exits: frees what is cached, and from now on
     /// buffers of arrays still alive are freed when they drop, on any thread.
     pub(crate) fn close(self: &Arc<Self>) {
-        self.owned(|inner, st| {
-            inner.flush(st, None);
-            inner.free_waiting(st, None);
-            inner.release_arenas(st, None, true, true);
+        self.owned(|state, st| {
+            state.flush(st, None);
+            state.free_waiting(st, None);
+            state.free_arenas(st, None, true, true);
             let mut remote = self.remote.state.lock();
             for (g, bytes) in remote.released.drain(..) {
-                inner.live -= 1;
+                state.live -= 1;
                 st.freed(g, bytes);
             }
             for r in remote.queue.drain(..) {
-                inner.live -= 1;
+                state.live -= 1;
                 if r.slot == VIEW_SLOT {
-                    inner.free_arena_block(st, r.block);
+                    state.free_arena_block(st, r.block);
                 } else {
-                    inner.free(st, r.slot, r.block);
+                    state.free(st, r.slot, r.block);
                 }
             }
             remote.closed = true;
-            remote.orphans = inner.live;
-            if inner.live > 0 {
+            remote.orphans = state.live;
+            if state.live > 0 {
                 remote.keepalive = Some(Arc::clone(self));
             }
             self.flags.fetch_or(CLOSED, Relaxed);
@@ -625,16 +627,16 @@ fn send_home(home: Home, block: Block, current: *const CacheCell) {
     if ptr::eq(current, cell) && cell.is_plain() {
         // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this is the
         // owner thread, inside a scope of the cell.
-        let inner = unsafe { cell.locked() };
-        inner.release(&cell.stats, true, home.slot, home.generation, block);
+        let state = unsafe { cell.locked() };
+        state.put_back(&cell.stats, true, home.slot, home.generation, block);
     } else if home.slot == VIEW_SLOT {
-        CacheCell::release_view(home, block, current);
+        CacheCell::send_view_home(home, block, current);
     } else if cell.traced() {
-        traced::release_traced(home, block, current);
+        traced::send_home_traced(home, block, current);
     } else if cell.is_owned_here() && !cell.is_closed() {
         let active = cell.is_active();
-        cell.owned(|inner, st| inner.release(st, active, home.slot, home.generation, block));
+        cell.owned(|state, st| state.put_back(st, active, home.slot, home.generation, block));
     } else {
-        release_remote(home, block);
+        send_home_remote(home, block);
     }
 }

@@ -11,13 +11,13 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::arena::block::VIEW_SLOT;
-use super::lists::Inner;
+use super::counters::GaugeIx;
 use super::lock::RETURNED;
+use super::state::CacheState;
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
 use crate::config::CacheConfig;
-use crate::stats::GaugeIx;
 use crate::trace::record;
 
 /// A buffer returned by another thread, waiting for the owner (`slot` [`VIEW_SLOT`]: a retired arena
@@ -69,15 +69,15 @@ impl CacheCell {
     /// thread gave back to the device. Cheap when there are none: one load of the lock's
     /// [`RETURNED`] hint, inlined; the mutex is taken only when it is set.
     #[inline(always)]
-    pub(super) fn drain_returned(&self, inner: &mut Inner, active: bool) {
+    pub(super) fn drain_returned(&self, state: &mut CacheState, active: bool) {
         if self.lock.has(RETURNED) {
-            self.take_in_returned(inner, active);
+            self.take_in_returned(state, active);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn take_in_returned(&self, inner: &mut Inner, active: bool) {
+    fn take_in_returned(&self, state: &mut CacheState, active: bool) {
         // The hint goes first: what is returned after this sets it again.
         self.lock.take(RETURNED);
         let (returned, released) = {
@@ -88,21 +88,21 @@ impl CacheCell {
             )
         };
         for (g, bytes) in released {
-            inner.live -= 1;
+            state.live -= 1;
             self.stats.freed(g, bytes);
         }
         let traced = record::on();
         for r in returned {
             if r.slot == VIEW_SLOT {
-                inner.take_back(&self.stats, r.block, r.generation);
+                state.take_back(&self.stats, r.block, r.generation);
             } else if traced {
-                inner.release_traced(&self.stats, active, r.slot, r.generation, r.block);
+                state.put_back_traced(&self.stats, active, r.slot, r.generation, r.block);
             } else {
-                inner.release(&self.stats, active, r.slot, r.generation, r.block);
+                state.put_back(&self.stats, active, r.slot, r.generation, r.block);
             }
         }
         if traced {
-            inner.note_bytes(&self.stats);
+            state.note_bytes(&self.stats);
         }
     }
 
@@ -138,7 +138,7 @@ impl CacheCell {
 }
 
 /// Returns a block from a thread other than the owner (or from the owner after it closed).
-pub(super) fn release_remote(home: Home, block: Block) {
+pub(super) fn send_home_remote(home: Home, block: Block) {
     let keepalive = {
         // SAFETY: as in `release`; this borrow ends before `keepalive` can free the cell.
         let cell = unsafe { home.cell.as_ref() };

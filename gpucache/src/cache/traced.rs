@@ -1,14 +1,14 @@
 //! Recording a cache's events (see [`crate::trace`]): the out-of-line halves of the hooks. The
 //! hot paths test [`record::on`] and call these only when recording is on.
 
-use super::lists::Inner;
+use super::state::CacheState;
 use std::ptr;
 
+use super::counters::{Counters, GaugeIx};
 use super::remote::Returned;
-use super::remote::release_remote;
+use super::remote::send_home_remote;
 use super::{CacheCell, Home};
 use crate::backend::{self, Block};
-use crate::stats::{Counters, GaugeIx};
 use crate::trace::record::{self, EventKind, Note};
 
 /// (in use, cached) bytes of gauge `g`.
@@ -19,7 +19,7 @@ pub(super) fn gauge_bytes(st: &Counters, g: GaugeIx) -> (usize, usize) {
     (held.saturating_sub(cached), cached)
 }
 
-impl Inner {
+impl CacheState {
     /// Records `kind` about `block` of free list `slot`, with the cache's bytes after it.
     #[cold]
     #[inline(never)]
@@ -72,11 +72,11 @@ impl Inner {
     #[cold]
     #[inline(never)]
     pub(super) fn note_bytes(&self, st: &Counters) {
-        note_bytes(st, self.trace_id);
+        note_gauges(st, self.trace_id);
     }
 
-    /// [`Inner::release`], recorded.
-    pub(super) fn release_traced(
+    /// [`CacheState::release`], recorded.
+    pub(super) fn put_back_traced(
         &mut self,
         st: &Counters,
         active: bool,
@@ -86,7 +86,7 @@ impl Inner {
     ) {
         let stale = generation != self.generation;
         let buffer = (block.bytes(), block.id(), block.stream_id());
-        self.release(st, active, slot, generation, block);
+        self.put_back(st, active, slot, generation, block);
         // A buffer of an earlier generation was freed (and recorded as such) instead.
         if !stale {
             self.note_slot(st, EventKind::FreeToCache, slot, buffer);
@@ -95,7 +95,7 @@ impl Inner {
 }
 
 /// Records the bytes of the cache `trace_id` (counters `st`) on every device it uses.
-fn note_bytes(st: &Counters, trace_id: u32) {
+fn note_gauges(st: &Counters, trace_id: u32) {
     for (device, b) in st.device_bytes() {
         record::push(Note {
             device: Some(device),
@@ -108,20 +108,20 @@ fn note_bytes(st: &Counters, trace_id: u32) {
 /// [`release`](super::release), recorded.
 #[cold]
 #[inline(never)]
-pub(super) fn release_traced(home: Home, block: Block, current: *const CacheCell) {
+pub(super) fn send_home_traced(home: Home, block: Block, current: *const CacheCell) {
     // SAFETY: as in `release`.
     let cell = unsafe { home.cell.as_ref() };
     if ptr::eq(current, cell) && !cell.is_closed() {
         // SAFETY: (see `locked`) as in `release`.
-        let inner = unsafe { cell.locked() };
-        inner.release_traced(&cell.stats, true, home.slot, home.generation, block);
+        let state = unsafe { cell.locked() };
+        state.put_back_traced(&cell.stats, true, home.slot, home.generation, block);
     } else if cell.is_owned_here() && !cell.is_closed() {
         let active = cell.is_active();
-        cell.owned(|inner, st| {
-            inner.release_traced(st, active, home.slot, home.generation, block);
+        cell.owned(|state, st| {
+            state.put_back_traced(st, active, home.slot, home.generation, block);
         });
     } else {
-        release_remote(home, block);
+        send_home_remote(home, block);
     }
 }
 
@@ -140,7 +140,7 @@ impl CacheCell {
     pub(crate) fn exit_traced(&self) {
         self.exit();
         record::push(Note::about(EventKind::ScopeExit, Some(self.trace_id)));
-        note_bytes(&self.stats, self.trace_id);
+        note_gauges(&self.stats, self.trace_id);
     }
 
     /// Records that the cache closed (its thread exited): it holds nothing any more, for the
@@ -158,7 +158,7 @@ impl CacheCell {
 
     /// Records the bytes the cache holds (any thread: when recording starts).
     pub(crate) fn note_all_bytes(&self) {
-        note_bytes(&self.stats, self.trace_id);
+        note_gauges(&self.stats, self.trace_id);
     }
 
     /// Records buffers returned by other threads that a thread gave back to the device.

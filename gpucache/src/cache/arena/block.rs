@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering::*};
 
 use crate::backend::{AllocError, Backend, Block, Storage};
-use crate::stats::GaugeIx;
+use crate::cache::counters::GaugeIx;
 use crate::{Device, DeviceStats, Result};
 
 /// The `slot` of the [`Home`] of every arena array.
@@ -48,7 +48,7 @@ impl fmt::Debug for ArenaBlock {
 }
 
 /// The arena block as the backend of its views, which hold no count of its `Arc`: they are given
-/// back with [`Block::drop_view`] by [`CacheCell::release_view`]. `free` is called only if a view
+/// back with [`Block::drop_view`] by [`CacheCell::send_view_home`]. `free` is called only if a view
 /// is dropped instead, which no path does: it frees nothing (a CUDA view leaks its slice back)
 /// and adds the count that the drop of the view's `Arc` takes off, so that the block stays
 /// alive (its view count never reaches zero: it is kept, never freed twice).

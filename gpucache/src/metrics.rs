@@ -1,6 +1,6 @@
 //! What the caches report: [`CacheStats`] (one cache), [`DeviceStats`] (a backend),
 //! [`Snapshot`] (every cache of every thread). The table [`summary`](crate::summary) prints is
-//! in [`table`]; the live counters a cache keeps are the cache's own (`cache::counters`).
+//! in [`table`](mod@table); the live counters a cache keeps are the cache's own (`cache::counters`).
 
 mod table;
 

@@ -365,9 +365,9 @@ impl Device {
     /// first use (gpucache keeps one context per device for the life of the process).
     ///
     /// # Errors
-    /// [`Error::CudaNotEnabled`](crate::Error::CudaNotEnabled) when gpucache was built without
-    /// its `cuda` feature; with it, [`Error::CudaDriverNotFound`](crate::Error::CudaDriverNotFound)
-    /// when no CUDA driver can be loaded, [`Error::CudaDeviceNotFound`](crate::Error::CudaDeviceNotFound)
+    /// [`Error::CudaNotEnabled`] when gpucache was built without
+    /// its `cuda` feature; with it, [`Error::CudaDriverNotFound`]
+    /// when no CUDA driver can be loaded, [`Error::CudaDeviceNotFound`]
     /// when the driver has no GPU with this ordinal, and `Error::Driver` when creating the
     /// context fails.
     pub fn cuda(ordinal: usize) -> Result<Device> {

@@ -1,10 +1,10 @@
-//! Arena caches ([`KeyPolicy::Arena`](crate::KeyPolicy::Arena)): every array of a scope is
+//! Arena caches ([`KeyPolicy::Arena`]): every array of a scope is
 //! bump-allocated from one block per device, and all of them become free together when the
 //! scope's outermost entry exits.
 //!
 //! # Off the free-list paths
 //!
-//! An arena cache sets the [`ARENA`](super::ARENA) flag of its cell, so it is never
+//! An arena cache sets the [`ARENA`] flag of its cell, so it is never
 //! [plain](CacheCell::is_plain): the free-list hit, the release of a dropped array on the owner
 //! thread and the scope exit all test that one byte anyway (for closed and traced caches), and
 //! send an arena cache to their slow paths, which serve it here: a bump in [`CacheCell::take`],

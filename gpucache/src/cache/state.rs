@@ -180,7 +180,7 @@ impl CacheState {
         }
     }
 
-    /// [`CacheState::release`] of a block a device may still be using on another stream.
+    /// [`CacheState::put_back`] of a block a device may still be using on another stream.
     #[cold]
     #[inline(never)]
     fn defer(&mut self, st: &Counters, slot: u32, block: Block) {

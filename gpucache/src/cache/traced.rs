@@ -75,7 +75,7 @@ impl CacheState {
         note_gauges(st, self.trace_id);
     }
 
-    /// [`CacheState::release`], recorded.
+    /// [`CacheState::put_back`], recorded.
     pub(super) fn put_back_traced(
         &mut self,
         st: &Counters,
@@ -105,7 +105,7 @@ fn note_gauges(st: &Counters, trace_id: u32) {
     }
 }
 
-/// [`release`](super::release), recorded.
+/// [`send_home`](super::send_home), recorded.
 #[cold]
 #[inline(never)]
 pub(super) fn send_home_traced(home: Home, block: Block, current: *const CacheCell) {

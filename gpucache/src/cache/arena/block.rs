@@ -11,7 +11,7 @@ use crate::backend::{AllocError, Backend, Block, Storage};
 use crate::cache::counters::GaugeIx;
 use crate::{Device, DeviceStats, Result};
 
-/// The `slot` of the [`Home`] of every arena array.
+/// The `slot` of the [`Home`](crate::cache::Home) of every arena array.
 pub(in crate::cache) const VIEW_SLOT: u32 = u32::MAX;
 
 /// Arrays start at multiples of this many bytes in their block (as `cudaMalloc` aligns).
@@ -48,7 +48,7 @@ impl fmt::Debug for ArenaBlock {
 }
 
 /// The arena block as the backend of its views, which hold no count of its `Arc`: they are given
-/// back with [`Block::drop_view`] by [`CacheCell::send_view_home`]. `free` is called only if a view
+/// back with [`Block::drop_view`] by `CacheCell::send_view_home`. `free` is called only if a view
 /// is dropped instead, which no path does: it frees nothing (a CUDA view leaks its slice back)
 /// and adds the count that the drop of the view's `Arc` takes off, so that the block stays
 /// alive (its view count never reaches zero: it is kept, never freed twice).

@@ -1,15 +1,29 @@
-//! Replays an allocation log (examples/replay: a CSV made from a recorded trace) through gpucache,
-//! in the recorded scopes, and through the bare backend, and compares time, peak bytes and
-//! device allocations, as RMM's replay benchmark does for its logs.
+//! Replays allocation logs (examples/replay: a CSV, maybe gzip-compressed, made from a recorded
+//! trace or by `examples/replay/record_torch.py` from a PyTorch model) through every gpucache
+//! configuration of `replay::CONFIGS`, in the recorded scopes, and, on CUDA, through the device's
+//! stream-ordered memory pool (cuMemAllocAsync / cuMemFreeAsync) with its release threshold at 0
+//! (cudarc's default) and at `u64::MAX`; on the CPU through the bare host allocator instead.
 //!
 //! ```text
-//! cargo run --release --example replay -- tests/fixtures/train_cuda.csv cpu 7
-//! cargo run --release --features cuda --example replay -- tests/fixtures/train_cuda.csv cuda 7
+//! cargo run --release --example replay -- tests/fixtures/gpt2_train.csv.gz cpu 7
+//! cargo run --release --features cuda --example replay -- tests/fixtures/*.csv.gz cuda 7
 //! ```
 //!
-//! The two replays alternate (which goes first alternates too) for the given number of rounds;
-//! each round replays the whole log and ends with `empty_cache`, so every round starts cold. The
-//! ratio is taken per round; the median and the range are printed.
+//! For each log it prints, per variant:
+//!
+//! * peak device bytes over the log's **peak live** bytes (the most bytes of its buffers alive
+//!   at once, the lower bound); gpucache: what the backend holds for it; pool: the pool's reserved
+//!   high-water mark; bare: the live buffers' bytes;
+//! * device allocations in the steps after the second (bare and pool: every allocation);
+//! * host time per step: the mean of the steps after the second (all steps when there are
+//!   fewer than three), per round; the median over the rounds and their [min, max], and the
+//!   median over the baseline's median (the pool at threshold max; on the CPU, bare) with the
+//!   per-round ratios' range.
+//!
+//! Every round replays the whole log once per variant, the variants round-robin (the first one
+//! rotates from round to round), each from cold: on a new thread (fresh caches), `empty_cache`
+//! before, and the pool trimmed. The memory figures are the first round's (the same every round
+//! but the pool's), the pool's peak the highest of the rounds.
 
 #[path = "replay/mod.rs"]
 mod replay;
@@ -17,77 +31,281 @@ mod replay;
 use std::path::PathBuf;
 
 use gpucache::Device;
-use replay::{Mode, Replay, Result};
+use replay::{CONFIGS, Mode, Replay, Result};
+
+/// One line of the report.
+struct Variant {
+    label: String,
+    mode: Mode,
+    replays: Vec<Replay>,
+    /// The error of a replay that failed (out of memory, say): the variant is not replayed
+    /// again and has no figures.
+    failed: Option<String>,
+}
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (log, device, rounds) = match args.as_slice() {
-        [log] => (log, "cpu", 7),
-        [log, device] => (log, device.as_str(), 7),
-        [log, device, rounds] => (log, device.as_str(), rounds.parse()?),
-        _ => return Err("usage: replay LOG.csv [cpu|cuda] [ROUNDS]".into()),
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut rounds = 7usize;
+    if let Some(n) = args.last().and_then(|a| a.parse().ok()) {
+        rounds = n;
+        args.pop();
+    }
+    let dev = match args.last().map(String::as_str) {
+        Some("cpu") => Some(Device::Cpu),
+        Some("cuda") => Some(Device::cuda(0)?),
+        _ => None,
     };
-    let dev = match device {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::cuda(0)?,
-        other => return Err(format!("unknown device {other:?} (cpu or cuda)").into()),
+    let dev = match dev {
+        Some(d) => {
+            args.pop();
+            d
+        }
+        None => Device::Cpu,
     };
+    if args.is_empty() {
+        return Err("usage: replay LOG.csv[.gz]... [cpu|cuda] [ROUNDS]".into());
+    }
+    let rounds = rounds.max(1);
+    let mut summary = Vec::new();
+    for log in &args {
+        summary.push((log.clone(), report(log, dev, rounds)?));
+    }
+    if args.len() > 1 {
+        print_summary(&summary);
+    }
+    Ok(())
+}
+
+/// The variants replayed on `dev`; the last is the baseline of the time ratios.
+fn variants(dev: Device) -> Vec<Variant> {
+    let mut v: Vec<(String, Mode)> = CONFIGS
+        .iter()
+        .map(|(name, cfg)| (format!("gpucache {name}"), Mode::Configured(*cfg)))
+        .collect();
+    if dev.is_cuda() {
+        v.push(("pool threshold 0".into(), Mode::Pool { threshold: 0 }));
+        v.push((
+            "pool threshold max".into(),
+            Mode::Pool {
+                threshold: u64::MAX,
+            },
+        ));
+    } else {
+        v.push(("bare (host allocator)".into(), Mode::Bare));
+    }
+    v.into_iter()
+        .map(|(label, mode)| Variant {
+            label,
+            mode,
+            replays: Vec::new(),
+            failed: None,
+        })
+        .collect()
+}
+
+/// The figures of one variant on one log.
+struct Row {
+    label: String,
+    peak: usize,
+    allocs_after_step2: u64,
+    later_steps: usize,
+    median: f64,
+    range: (f64, f64),
+    ratio: f64,
+    ratio_range: (f64, f64),
+}
+
+fn report(log: &str, dev: Device, rounds: usize) -> Result<(usize, Vec<Row>)> {
     let ops = replay::read(&PathBuf::from(log))?;
     let allocs = ops
         .iter()
         .filter(|o| matches!(o, replay::Op::Alloc { .. }))
         .count();
+    let steps = replay::steps(&ops);
+    let live = replay::peak_live(&ops);
     println!(
-        "{log}: {} operations, {allocs} allocations; on {dev}, {rounds} rounds",
-        ops.len()
+        "{log}: {} operations, {allocs} allocations, {steps} steps, peak live {:.1} MiB; on {dev}, \
+         {rounds} rounds",
+        ops.len(),
+        mib(live)
     );
-    let mut ratios = Vec::new();
-    let (mut cached, mut bare) = (Vec::new(), Vec::new());
-    for round in 0..rounds.max(1) {
-        let order = if round % 2 == 0 {
-            [Mode::Gpucache, Mode::Bare]
-        } else {
-            [Mode::Bare, Mode::Gpucache]
-        };
-        let mut got = [Replay::default(); 2];
-        for mode in order {
-            let r = replay::replay(&ops, dev, mode)?;
-            gpucache::empty_cache();
-            got[usize::from(mode == Mode::Bare)] = r;
-        }
-        let [c, b] = got;
+    if !dev.is_cuda() {
         println!(
-            "round {round}: gpucache {:.3} ms (peak {:.1} MiB, {} device allocations), \
-             bare {:.3} ms (peak {:.1} MiB, {} device allocations)",
-            c.seconds * 1e3,
-            mib(c.peak_bytes),
-            c.device_allocs,
-            b.seconds * 1e3,
-            mib(b.peak_bytes),
-            b.device_allocs
+            "(on the CPU there is no memory pool: the pool rows are absent, bare is the baseline)"
         );
-        ratios.push(b.seconds / c.seconds);
-        cached.push(c);
-        bare.push(b);
     }
-    ratios.sort_by(f64::total_cmp);
-    let median = |v: &[Replay]| {
-        let mut t: Vec<f64> = v.iter().map(|r| r.seconds).collect();
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
+    let mut variants = variants(dev);
+    let n = variants.len();
+    for round in 0..rounds {
+        for i in 0..n {
+            let v = &mut variants[(round + i) % n];
+            if v.failed.is_some() {
+                continue;
+            }
+            gpucache::empty_cache();
+            let r = replay::replay_cold(&ops, dev, v.mode);
+            gpucache::empty_cache();
+            match r {
+                Ok(r) => v.replays.push(r),
+                Err(e) => {
+                    println!("{}: failed in round {round}: {e}", v.label);
+                    v.failed = Some(e.to_string());
+                }
+            }
+        }
+    }
+    // Host time per step of a replay: the mean of the steps after the second.
+    let per_step = |r: &Replay| {
+        let t = if r.step_seconds.len() > 2 {
+            &r.step_seconds[2..]
+        } else {
+            &r.step_seconds[..]
+        };
+        t.iter().sum::<f64>() / t.len().max(1) as f64
     };
+    if variants[n - 1].failed.is_some() {
+        return Err(format!("{log}: the baseline failed").into());
+    }
+    let base: Vec<f64> = variants[n - 1].replays.iter().map(per_step).collect();
+    let base_median = median(&base);
+    let later_steps = steps.saturating_sub(2);
+    let mut rows = Vec::new();
     println!(
-        "median: gpucache {:.3} ms, bare {:.3} ms; bare / gpucache {:.2}x (rounds {:.2}x to {:.2}x); \
-         peak bytes gpucache {:.1} MiB, bare {:.1} MiB",
-        median(&cached) * 1e3,
-        median(&bare) * 1e3,
-        ratios[ratios.len() / 2],
-        ratios[0],
-        ratios[ratios.len() - 1],
-        mib(cached.iter().map(|r| r.peak_bytes).max().unwrap_or(0)),
-        mib(bare.iter().map(|r| r.peak_bytes).max().unwrap_or(0)),
+        "| variant | peak / peak live | peak MiB | device allocations in steps 3.. ({later_steps} steps) \
+         | host time per step, median [min, max] | / {} |",
+        variants[n - 1].label
     );
-    Ok(())
+    println!("|---|---|---|---|---|---|");
+    for v in &variants {
+        if v.failed.is_some() {
+            println!("| {} | failed | | | | |", v.label);
+            rows.push(Row {
+                label: v.label.clone(),
+                peak: 0,
+                allocs_after_step2: 0,
+                later_steps,
+                median: f64::NAN,
+                range: (f64::NAN, f64::NAN),
+                ratio: f64::NAN,
+                ratio_range: (f64::NAN, f64::NAN),
+            });
+            continue;
+        }
+        let first = &v.replays[0];
+        let peak = if matches!(v.mode, Mode::Pool { .. }) {
+            v.replays.iter().map(|r| r.peak_bytes).max().unwrap_or(0)
+        } else {
+            first.peak_bytes
+        };
+        let times: Vec<f64> = v.replays.iter().map(per_step).collect();
+        let ratios: Vec<f64> = times.iter().zip(&base).map(|(t, b)| t / b).collect();
+        let row = Row {
+            label: v.label.clone(),
+            peak,
+            allocs_after_step2: first.step_allocs.iter().skip(2).sum(),
+            later_steps,
+            median: median(&times),
+            range: min_max(&times),
+            ratio: median(&times) / base_median,
+            ratio_range: min_max(&ratios),
+        };
+        println!(
+            "| {} | {:.3} | {:.1} | {} | {} µs [{}, {}] | {:.2}x [{:.2}, {:.2}] |",
+            row.label,
+            row.peak as f64 / live.max(1) as f64,
+            mib(row.peak),
+            row.allocs_after_step2,
+            us(row.median),
+            us(row.range.0),
+            us(row.range.1),
+            row.ratio,
+            row.ratio_range.0,
+            row.ratio_range.1,
+        );
+        rows.push(row);
+    }
+    println!();
+    Ok((live, rows))
+}
+
+/// The three tables of several logs: rows the logs, columns the variants.
+fn print_summary(logs: &[(String, (usize, Vec<Row>))]) {
+    let Some((_, (_, first))) = logs.first() else {
+        return;
+    };
+    let head = |what: &str| {
+        let labels: Vec<&str> = first.iter().map(|r| r.label.as_str()).collect();
+        println!("\n{what}\n\n| log | {} |", labels.join(" | "));
+        println!("|---|{}", "---|".repeat(labels.len()));
+    };
+    let name = |log: &str| {
+        let file = log.rsplit('/').next().unwrap_or(log);
+        file.trim_end_matches(".gz")
+            .trim_end_matches(".csv")
+            .to_owned()
+    };
+    head("Peak device bytes / peak live bytes");
+    for (log, (live, rows)) in logs {
+        let cells: Vec<String> = rows
+            .iter()
+            .map(|r| format!("{:.3}", r.peak as f64 / (*live).max(1) as f64))
+            .collect();
+        println!(
+            "| {} ({:.1} MiB) | {} |",
+            name(log),
+            mib(*live),
+            cells.join(" | ")
+        );
+    }
+    head("Device allocations in the steps after the second");
+    for (log, (_, rows)) in logs {
+        let cells: Vec<String> = rows
+            .iter()
+            .map(|r| r.allocs_after_step2.to_string())
+            .collect();
+        let steps = rows.first().map_or(0, |r| r.later_steps);
+        println!("| {} ({steps} steps) | {} |", name(log), cells.join(" | "));
+    }
+    head(
+        "Host time per step (steps after the second), median over the rounds / the baseline's [range]",
+    );
+    for (log, (_, rows)) in logs {
+        let cells: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} µs, {:.2}x [{:.2}, {:.2}]",
+                    us(r.median),
+                    r.ratio,
+                    r.ratio_range.0,
+                    r.ratio_range.1
+                )
+            })
+            .collect();
+        println!("| {} | {} |", name(log), cells.join(" | "));
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut t = v.to_vec();
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn min_max(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
+}
+
+fn us(seconds: f64) -> String {
+    let us = seconds * 1e6;
+    if us >= 100.0 {
+        format!("{us:.0}")
+    } else {
+        format!("{us:.1}")
+    }
 }
 
 fn mib(bytes: usize) -> f64 {

@@ -18,6 +18,15 @@
 //! is the element size in bytes and `dims` the array's shape (`x`-separated; empty for a
 //! scalar), or, for a size-class cache, 1 and the class's bytes. Allocations outside any scope are not recorded, so not in
 //! the log.
+//!
+//! Logs may be gzip-compressed (`*.csv.gz`). `examples/replay/record_torch.py` writes them from a
+//! PyTorch model's device trace (elem 1, dims the block's bytes: torch gives no shape).
+//!
+//! A log is one thread's and one stream's view: a recording made with several threads or streams
+//! (torch's trace holds every stream of the device) is replayed in the order it was written, on
+//! one thread and the device's default stream. An `alloc` of a buffer number that is live is an
+//! error when the log is read; a `free` of a buffer the log never allocated (one allocated before
+//! the recording, or outside its scopes) is skipped. Zero-byte allocations are fine.
 #![allow(dead_code)] // each example uses a part
 
 use std::collections::HashMap;
@@ -26,7 +35,37 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use gpucache::trace::{EventKind, Trace, TraceKey};
-use gpucache::{Array, Device, ScopeGuard};
+use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
+
+/// The gpucache configurations the report replays every log under (a new policy is one line).
+pub const CONFIGS: &[(&str, CacheConfig)] = &[
+    ("exact/on-exit", config(Reuse::OnExit, KeyPolicy::Exact)),
+    (
+        "exact/immediate",
+        config(Reuse::Immediate, KeyPolicy::Exact),
+    ),
+    (
+        "size-class/on-exit",
+        config(Reuse::OnExit, KeyPolicy::SizeClass),
+    ),
+    (
+        "size-class/immediate",
+        config(Reuse::Immediate, KeyPolicy::SizeClass),
+    ),
+    ("arena/on-exit", config(Reuse::OnExit, KeyPolicy::Arena)),
+    (
+        "arena/immediate",
+        config(Reuse::Immediate, KeyPolicy::Arena),
+    ),
+];
+
+const fn config(reuse: Reuse, key: KeyPolicy) -> CacheConfig {
+    CacheConfig {
+        reuse,
+        key,
+        max_cached_bytes: None,
+    }
+}
 
 pub type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
@@ -130,10 +169,21 @@ pub fn to_csv(ops: &[Op]) -> String {
     out
 }
 
-/// Reads a log written by [`to_csv`].
+/// Reads a log written by [`to_csv`], gzip-compressed when its name ends in `.gz`.
 pub fn read(path: &Path) -> Result<Vec<Op>> {
-    let text = std::fs::read_to_string(path)?;
+    let text = if path.extension().is_some_and(|e| e == "gz") {
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut flate2::read::GzDecoder::new(std::fs::File::open(path)?),
+            &mut text,
+        )
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+        text
+    } else {
+        std::fs::read_to_string(path)?
+    };
     let mut ops = Vec::new();
+    let mut live = std::collections::HashSet::new();
     for (n, line) in text.lines().enumerate().skip(1) {
         let bad = || format!("{}:{}: not a log line: {line:?}", path.display(), n + 1);
         let f: Vec<&str> = line.split(',').collect();
@@ -146,6 +196,9 @@ pub fn read(path: &Path) -> Result<Vec<Op>> {
             "enter" => Op::Enter(cache),
             "exit" => Op::Exit(cache),
             "invalidate" => Op::Invalidate(cache),
+            "alloc" if !live.insert(num(buffer)?) => {
+                return Err(format!("{}: buffer {buffer} allocated while live", bad()).into());
+            }
             "alloc" => Op::Alloc {
                 cache,
                 buffer: num(buffer)?,
@@ -157,9 +210,11 @@ pub fn read(path: &Path) -> Result<Vec<Op>> {
                     .map(|d| num(d).map(|d| d as usize))
                     .collect::<std::result::Result<_, _>>()?,
             },
-            "free" => Op::Free {
-                buffer: num(buffer)?,
-            },
+            "free" => {
+                let buffer = num(buffer)?;
+                live.remove(&buffer);
+                Op::Free { buffer }
+            }
             _ => return Err(bad().into()),
         });
     }
@@ -169,11 +224,20 @@ pub fn read(path: &Path) -> Result<Vec<Op>> {
 /// Where the replay's allocations go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
-    /// Through gpucache, in the recorded scopes.
+    /// Through gpucache, in the recorded scopes, as the caches are configured.
     Gpucache,
+    /// Through gpucache, every cache of the log configured so first (see [`CONFIGS`]).
+    Configured(CacheConfig),
     /// Straight to the backend: host memory (64-byte aligned) or cudarc's stream-ordered
     /// allocation (`cuMemAllocAsync`) on the device's default stream, uninitialised, no cache.
     Bare,
+    /// CUDA only: as `Bare`, with the release threshold of the device's default memory pool set
+    /// to `threshold` bytes (cudarc leaves it at 0; `u64::MAX` keeps everything freed), the pool
+    /// trimmed first (a cold start) and the peak taken from its reserved high-water mark.
+    Pool {
+        /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+        threshold: u64,
+    },
 }
 
 /// A buffer of the bare replay.
@@ -193,6 +257,7 @@ impl Drop for Bare {
     }
 }
 
+/// A bare buffer of `bytes` bytes (one byte at least: neither backend takes zero).
 fn bare_alloc(dev: Device, bytes: usize) -> Result<Bare> {
     match dev {
         Device::Cpu => {
@@ -213,30 +278,187 @@ fn bare_alloc(dev: Device, bytes: usize) -> Result<Bare> {
     }
 }
 
+/// The default memory pool of a CUDA device: its release threshold, trimming, and the reserved
+/// high-water mark.
+#[cfg(feature = "cuda")]
+mod pool {
+    use gpucache::Device;
+    use gpucache::cuda::cudarc::driver::result;
+    use gpucache::cuda::cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
+
+    use super::Result;
+
+    fn get(dev: Device) -> Result<CUmemoryPool> {
+        let ctx = gpucache::cuda::context(dev)?;
+        ctx.bind_to_thread()?;
+        // SAFETY: the device comes from a live context, bound to this thread.
+        Ok(unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }?)
+    }
+
+    /// Sets the release threshold, trims the pool to nothing after a synchronisation (a cold
+    /// start) and resets the reserved high-water mark to what stays reserved.
+    pub fn reset(dev: Device, threshold: u64) -> Result<()> {
+        gpucache::cuda::default_stream(dev)?.synchronize()?;
+        let pool = get(dev)?;
+        let mut value = threshold;
+        let mut zero = 0u64;
+        // SAFETY: both attributes take a `u64` (cuuint64_t), alive for the call; the pool is the
+        // device's default one.
+        unsafe {
+            let attr = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            result::mem_pool::set_attribute(pool, attr, (&raw mut value).cast())?;
+            result::mem_pool::trim_to(pool, 0)?;
+            let attr = CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH;
+            result::mem_pool::set_attribute(pool, attr, (&raw mut zero).cast())?;
+        }
+        Ok(())
+    }
+
+    /// The reserved high-water mark since the last [`reset`].
+    pub fn peak(dev: Device) -> Result<u64> {
+        read(dev, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+    }
+
+    fn read(dev: Device, attr: CUmemPool_attribute) -> Result<u64> {
+        let pool = get(dev)?;
+        let mut value = 0u64;
+        // SAFETY: the attribute is a `u64` (cuuint64_t), written into `value`.
+        unsafe { result::mem_pool::get_attribute(pool, attr, (&raw mut value).cast()) }?;
+        Ok(value)
+    }
+}
+
 /// What one replay measured.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Replay {
     /// Wall time of the whole log, seconds.
     pub seconds: f64,
     /// The most bytes allocated from the device at once (gpucache: what its caches and arrays
-    /// held, as the backend counts it; bare: the live buffers).
+    /// held, as the backend counts it, above what it held before; bare: the live buffers' bytes;
+    /// pool: its reserved high-water mark).
     pub peak_bytes: usize,
-    /// Device allocations made.
+    /// Device allocations made (bare and pool: every allocation).
     pub device_allocs: u64,
+    /// Per outermost scope (a step), in order: device allocations made inside it.
+    pub step_allocs: Vec<u64>,
+    /// Per outermost scope: its wall time, from the entry to the synchronisation after its exit.
+    pub step_seconds: Vec<f64>,
+}
+
+/// The most bytes of the log's buffers alive at once: the lower bound of any allocator's peak.
+pub fn peak_live(ops: &[Op]) -> usize {
+    let (mut live, mut peak) = (0usize, 0usize);
+    let mut sizes: HashMap<u64, usize> = HashMap::new();
+    for op in ops {
+        match op {
+            Op::Alloc { buffer, bytes, .. } => {
+                if let Some(old) = sizes.insert(*buffer, *bytes) {
+                    live -= old;
+                }
+                live += bytes;
+                peak = peak.max(live);
+            }
+            Op::Free { buffer } => live -= sizes.remove(buffer).unwrap_or(0),
+            _ => {}
+        }
+    }
+    peak
+}
+
+/// The outermost scopes (steps) of the log.
+pub fn steps(ops: &[Op]) -> usize {
+    let mut depth = 0usize;
+    let mut n = 0;
+    for op in ops {
+        match op {
+            Op::Enter(_) => {
+                n += usize::from(depth == 0);
+                depth += 1;
+            }
+            Op::Exit(_) => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    n
+}
+
+/// The memory figures of one replay of `ops` on `dev` in `mode`, from cold caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Memory {
+    /// The replay's [`Replay::peak_bytes`].
+    pub peak_device: usize,
+    /// [`peak_live`]: the lower bound.
+    pub peak_live: usize,
+    /// Device allocations made in the steps after the second.
+    pub allocs_after_step2: u64,
+}
+
+/// [`replay`] on a new thread, so from fresh caches (a cache's state, an arena's block sizes
+/// say, outlives `empty_cache`); what they hold goes back to the device when the thread exits,
+/// before this returns.
+pub fn replay_cold(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
+    std::thread::scope(|s| {
+        s.spawn(|| replay(ops, dev, mode).map_err(|e| e.to_string()))
+            // An explicit join waits for the thread's thread-local destructors too.
+            .join()
+            .map_err(|_| "the replay panicked".to_owned())?
+    })
+    .map_err(Into::into)
+}
+
+/// Replays `ops` once on `dev` in `mode` from cold ([`replay_cold`], between two
+/// `empty_cache`s) and returns its memory figures (deterministic on the CPU, when nothing else
+/// uses gpucache meanwhile).
+pub fn memory(ops: &[Op], dev: Device, mode: Mode) -> Result<Memory> {
+    gpucache::empty_cache();
+    let r = replay_cold(ops, dev, mode);
+    gpucache::empty_cache();
+    let r = r?;
+    Ok(Memory {
+        peak_device: r.peak_bytes,
+        peak_live: peak_live(ops),
+        allocs_after_step2: r.step_allocs.iter().skip(2).sum(),
+    })
 }
 
 /// Replays `ops` on `dev` in `mode`. On CUDA the device is synchronised at every outermost
-/// scope exit, as a training step ends (in both modes).
+/// scope exit, as a training step ends (in every mode).
 pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
     enum Live {
         Cached(Array<u8>),
-        Bare(Bare),
+        Bare(Bare, usize),
+    }
+    let cached = matches!(mode, Mode::Gpucache | Mode::Configured(_));
+    if let Mode::Configured(config) = mode {
+        let mut names: Vec<&str> = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Enter(c) | Op::Alloc { cache: c, .. } => Some(c.as_str()),
+                _ => None,
+            })
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        for name in names {
+            gpucache::configure(name, config);
+        }
+    }
+    match mode {
+        #[cfg(feature = "cuda")]
+        Mode::Pool { threshold } if dev.is_cuda() => pool::reset(dev, threshold)?,
+        Mode::Pool { .. } => return Err("the pool replay needs a CUDA device".into()),
+        // gpucache allocates from the same pool: at cudarc's default threshold, from cold.
+        #[cfg(feature = "cuda")]
+        Mode::Configured(_) | Mode::Bare if dev.is_cuda() => pool::reset(dev, 0)?,
+        _ => {}
     }
     let mut live: HashMap<u64, Live> = HashMap::new();
     let mut scopes: Vec<ScopeGuard> = Vec::new();
     let mut depth = 0usize;
     let before = gpucache::device_stats(dev)?;
     let (mut bare_bytes, mut peak, mut bare_allocs) = (0usize, 0usize, 0u64);
+    let mut steps = (Vec::new(), Vec::new());
+    let (mut step_start, mut step_allocs_before) = (std::time::Instant::now(), 0u64);
     let sync = || -> Result<()> {
         #[cfg(feature = "cuda")]
         if dev.is_cuda() {
@@ -244,12 +466,23 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
         }
         Ok(())
     };
+    let allocs_now = |bare_allocs: u64| -> Result<u64> {
+        Ok(if cached {
+            gpucache::device_stats(dev)?.allocs - before.allocs
+        } else {
+            bare_allocs
+        })
+    };
     let start = std::time::Instant::now();
     for op in ops {
         match op {
             Op::Enter(cache) => {
+                if depth == 0 {
+                    step_start = std::time::Instant::now();
+                    step_allocs_before = allocs_now(bare_allocs)?;
+                }
                 depth += 1;
-                if mode == Mode::Gpucache {
+                if cached {
                     scopes.push(gpucache::enter(cache));
                 }
             }
@@ -258,10 +491,12 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
                 scopes.pop();
                 if depth == 0 {
                     sync()?;
+                    steps.0.push(allocs_now(bare_allocs)? - step_allocs_before);
+                    steps.1.push(step_start.elapsed().as_secs_f64());
                 }
             }
             Op::Invalidate(cache) => {
-                if mode == Mode::Gpucache {
+                if cached {
                     gpucache::invalidate(cache);
                 }
             }
@@ -272,32 +507,30 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
                 dims,
                 ..
             } => {
-                let array = match mode {
-                    Mode::Gpucache => {
-                        // u8 elements, the element size as a last dimension: the same key
-                        // for the same (element size, shape).
-                        let mut shape = dims.clone();
-                        shape.push(*elem);
-                        let a = Array::<u8>::empty(dev, shape)?;
-                        peak = peak.max(gpucache::device_stats(dev)?.bytes_allocated);
-                        Live::Cached(a)
-                    }
-                    Mode::Bare => {
-                        bare_bytes += bytes;
-                        bare_allocs += 1;
-                        peak = peak.max(bare_bytes);
-                        Live::Bare(bare_alloc(dev, *bytes)?)
-                    }
+                let array = if cached {
+                    // u8 elements, the element size as a last dimension: the same key
+                    // for the same (element size, shape).
+                    let mut shape = dims.clone();
+                    shape.push(*elem);
+                    let a = Array::<u8>::empty(dev, shape)?;
+                    let held = gpucache::device_stats(dev)?.bytes_allocated;
+                    peak = peak.max(held.saturating_sub(before.bytes_allocated));
+                    Live::Cached(a)
+                } else {
+                    bare_bytes += bytes;
+                    bare_allocs += 1;
+                    peak = peak.max(bare_bytes);
+                    Live::Bare(bare_alloc(dev, *bytes)?, *bytes)
                 };
-                live.insert(*buffer, array);
+                // A buffer number allocated again while live (not in a log `read` accepts)
+                // ends the earlier buffer.
+                if let Some(Live::Bare(_, old)) = live.insert(*buffer, array) {
+                    bare_bytes -= old;
+                }
             }
             Op::Free { buffer } => match live.remove(buffer) {
-                Some(Live::Bare(b)) => {
-                    bare_bytes -= match &b {
-                        Bare::Host(_, layout) => layout.size(),
-                        #[cfg(feature = "cuda")]
-                        Bare::Cuda(s) => s.len(),
-                    };
+                Some(Live::Bare(b, bytes)) => {
+                    bare_bytes -= bytes;
                     drop(b);
                 }
                 Some(Live::Cached(a)) => drop(a),
@@ -309,13 +542,15 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
     while scopes.pop().is_some() {}
     sync()?;
     let seconds = start.elapsed().as_secs_f64();
-    let after = gpucache::device_stats(dev)?;
+    #[cfg(feature = "cuda")]
+    if let Mode::Pool { .. } = mode {
+        peak = usize::try_from(pool::peak(dev)?)?;
+    }
     Ok(Replay {
         seconds,
         peak_bytes: peak,
-        device_allocs: match mode {
-            Mode::Gpucache => after.allocs - before.allocs,
-            Mode::Bare => bare_allocs,
-        },
+        device_allocs: allocs_now(bare_allocs)?,
+        step_allocs: steps.0,
+        step_seconds: steps.1,
     })
 }

@@ -11,6 +11,8 @@
 //! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
 //! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes), the
 //!   allocation log of `examples/replay` and the replay of its fixture;
+//! * `replay_logs`: the PyTorch models' allocation logs (`tests/fixtures/*.csv.gz`) replay at or
+//!   above their peak live bytes;
 //! * `tracing_events` (feature `tracing`): misses, evictions, invalidations and out-of-memory as
 //!   `tracing` events.
 //!
@@ -31,6 +33,7 @@ mod macros;
 mod prop_programs;
 #[path = "../../examples/replay/mod.rs"]
 mod replay;
+mod replay_logs;
 mod semantics;
 mod stress;
 mod threads;

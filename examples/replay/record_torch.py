@@ -1,0 +1,383 @@
+#!/usr/bin/env python3
+"""Records a PyTorch model's device allocations as a gpucache replay log (examples/replay).
+
+Runs the model on a GPU with ``torch.cuda.memory._record_memory_history``, marks the steps,
+takes ``torch.cuda.memory._snapshot()`` and writes the log in the CSV format documented at the
+top of ``examples/replay/mod.rs``::
+
+    op,cache,buffer,bytes,elem,dims
+    enter,train_step,,,,
+    alloc,train_step,1,2097152,1,2097152
+    free,,1,,,
+    exit,train_step,,,,
+
+One ``enter``/``exit`` pair per step; ``alloc`` for each ``alloc`` action of the device trace made
+inside a step, ``free`` for its ``free_requested`` (inside or after its step). Sizes are the
+caching allocator's block sizes, in bytes; torch gives no shape, so ``elem`` is 1 and ``dims`` the
+byte count. Buffers allocated before the first step (weights, inputs made ahead) are left out,
+and so are their frees; buffers allocated between steps too.
+
+Steps are delimited by marker allocations: after ``torch.cuda.synchronize()``, an allocation of
+one distinctive size freed at once, then one of another, four consecutive trace entries that the
+log leaves out. Their count is checked against the steps run, and the trace must hold the marker
+made when recording started, with fewer entries than ``max_entries``: a truncated trace fails.
+
+Built-in models (random weights, from configs; no network needed)::
+
+    python3 examples/replay/record_torch.py gpt2-train resnet-train bert-infer gpt2-decode \
+        --out /tmp/logs            # writes /tmp/logs/<model>.csv.gz
+    python3 examples/replay/record_torch.py tiny --out /tmp   # a self-check of the recorder
+
+Your own model::
+
+    import record_torch
+    rec = record_torch.Recorder("train_step")
+    with rec:                       # records from here
+        for _ in range(8):
+            with rec.step():        # one scope of the log
+                train_step()        # whatever it allocates inside is logged
+    rec.write("my_model.csv.gz")    # then: cargo run --release --example replay -- my_model.csv.gz
+"""
+
+import argparse
+import contextlib
+import gzip
+import os
+import sys
+import time
+
+import torch
+
+# Marker sizes: multiples of 512 (the caching allocator's rounding) that no model is likely to
+# allocate twice in a row, below 1 MiB (the small pool: no new segment for a marker).
+MARK_A = 512 * 1223
+MARK_B = 512 * 1201
+MAX_ENTRIES = 4_000_000
+
+
+class Recorder:
+    """Records the device allocations of the steps run inside ``with rec.step():``."""
+
+    def __init__(self, cache="step", device=None, max_entries=MAX_ENTRIES):
+        self.cache = cache
+        self.device = torch.device(device if device is not None else "cuda")
+        self.max_entries = max_entries
+        self.marks = 0  # markers made
+        self.step_marks = []  # (begin mark index, end mark index) per step
+        self.wall_us = []  # unix time (us) after each marker, to cross-check time_us
+        self.snapshot = None
+
+    def _mark(self):
+        torch.cuda.synchronize(self.device)
+        a = torch.empty(MARK_A, dtype=torch.uint8, device=self.device)
+        del a
+        b = torch.empty(MARK_B, dtype=torch.uint8, device=self.device)
+        del b
+        torch.cuda.synchronize(self.device)
+        self.wall_us.append(time.time_ns() // 1000)
+        self.marks += 1
+        return self.marks - 1
+
+    def __enter__(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context=None, stacks="python", max_entries=self.max_entries
+        )
+        self._mark()  # the start: must be in the trace, or the ring lost entries
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize(self.device)
+        self.snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return False
+
+    @contextlib.contextmanager
+    def step(self):
+        begin = self._mark()
+        yield
+        end = self._mark()
+        self.step_marks.append((begin, end))
+
+    def ops(self):
+        """The log's operations, as (op, buffer, bytes) tuples, and a few counts."""
+        if self.snapshot is None:
+            raise RuntimeError("the recording has not ended")
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        trace = self.snapshot["device_traces"][index]
+        if len(trace) >= self.max_entries:
+            raise RuntimeError(
+                f"the trace has {len(trace)} entries, max_entries is {self.max_entries}: "
+                "it may be truncated; raise max_entries"
+            )
+        events = [e for e in trace if e["action"] in ("alloc", "free_requested")]
+        # Find the markers: alloc A, free A, alloc B, free B, consecutive among these events.
+        mark_at = []
+        i = 0
+        while i + 3 < len(events):
+            a, fa, b, fb = events[i : i + 4]
+            if (
+                a["action"] == "alloc" and a["size"] == MARK_A
+                and fa["action"] == "free_requested" and fa["addr"] == a["addr"]
+                and b["action"] == "alloc" and b["size"] == MARK_B
+                and fb["action"] == "free_requested" and fb["addr"] == b["addr"]
+            ):
+                mark_at.append(i)
+                i += 4
+            else:
+                i += 1
+        if len(mark_at) != self.marks:
+            a = [k for k, e in enumerate(events) if e["action"] == "alloc" and e["size"] == MARK_A]
+            print(f"record_torch: allocations of the marker's size at {a[:20]}; events there: "
+                  f"{[(e['action'], e['size']) for e in events[a[0]:a[0] + 6]] if a else []}",
+                  file=sys.stderr)
+            raise RuntimeError(
+                f"found {len(mark_at)} step markers in the trace, made {self.marks}: "
+                "the trace is truncated (raise max_entries) or a marker size clashed"
+            )
+        # Cross-check of the clocks: the trace's time_us of each marker's last entry against the
+        # wall time taken after it (diagnostic only; the markers delimit the steps).
+        skew = [t - events[m + 3].get("time_us", 0) for m, t in zip(mark_at, self.wall_us)]
+        skip = set()
+        for m in mark_at:
+            skip.update(range(m, m + 4))
+        step_of = {}
+        for s, (b, e) in enumerate(self.step_marks):
+            for k in range(mark_at[b] + 4, mark_at[e]):
+                step_of[k] = s
+        streams = {events[k].get("stream", 0) for k in step_of if events[k]["action"] == "alloc"}
+        info = {
+            "entries": len(trace),
+            "streams": len(streams),
+            "clock_skew_us": (min(skew), max(skew)) if skew else None,
+        }
+        return self._with_scopes(events, mark_at, skip, step_of), info
+
+    def _with_scopes(self, events, mark_at, skip, step_of):
+        ops = []
+        live = {}
+        next_id = 0
+        starts = {mark_at[b] + 4: s for s, (b, _) in enumerate(self.step_marks)}
+        ends = {mark_at[e]: s for s, (_, e) in enumerate(self.step_marks)}
+        for k in range(len(events) + 1):
+            if k in starts and ends.get(k) == starts[k]:  # a step with no allocation or free
+                ops += [("enter", None, None), ("exit", None, None)]
+            else:
+                if k in ends:
+                    ops.append(("exit", None, None))
+                if k in starts:
+                    ops.append(("enter", None, None))
+            if k == len(events) or k in skip:
+                continue
+            e = events[k]
+            if e["action"] == "alloc":
+                if k not in step_of:
+                    live.pop(e["addr"], None)
+                    continue
+                next_id += 1
+                live[e["addr"]] = next_id
+                ops.append(("alloc", next_id, e["size"]))
+            else:
+                buf = live.pop(e["addr"], None)
+                if buf is not None:
+                    ops.append(("free", buf, None))
+        return ops
+
+    def csv(self):
+        ops, info = self.ops()
+        c = self.cache
+        lines = ["op,cache,buffer,bytes,elem,dims"]
+        for op, buf, size in ops:
+            if op == "enter":
+                lines.append(f"enter,{c},,,,")
+            elif op == "exit":
+                lines.append(f"exit,{c},,,,")
+            elif op == "alloc":
+                lines.append(f"alloc,{c},{buf},{size},1,{size}")
+            else:
+                lines.append(f"free,,{buf},,,")
+        return "\n".join(lines) + "\n", ops, info
+
+    def write(self, path):
+        text, ops, info = self.csv()
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "wt") as f:
+            f.write(text)
+        summary = summarize(ops)
+        print(
+            f"{path}: {len(self.step_marks)} steps, {summary['allocs']} allocations, "
+            f"peak live {summary['peak_live'] / 2**20:.1f} MiB, "
+            f"{info['entries']} trace entries, {info['streams']} stream(s), "
+            f"wall - time_us after markers {info['clock_skew_us']} us",
+            flush=True,
+        )
+        return summary
+
+
+def summarize(ops):
+    live, size_of, peak, allocs = 0, {}, 0, 0
+    for op, buf, size in ops:
+        if op == "alloc":
+            size_of[buf] = size
+            live += size
+            allocs += 1
+            peak = max(peak, live)
+        elif op == "free":
+            live -= size_of.pop(buf)
+    return {"peak_live": peak, "allocs": allocs}
+
+
+# ---- built-in models ----------------------------------------------------------------------------
+
+
+def record_tiny(out):
+    """A self-check: known allocations inside and outside steps."""
+    dev = torch.device("cuda")
+    w = torch.randn(1024, 1024, device=dev)  # before the steps: left out
+    kept = []
+    rec = Recorder("tiny")
+    with rec:
+        outside = torch.empty(3 << 20, dtype=torch.uint8, device=dev)  # outside: left out
+        for i in range(3):
+            with rec.step():
+                x = torch.randn(256, 1024, device=dev)  # 1 MiB
+                y = x @ w  # 1 MiB
+                kept.append(torch.empty(2 << 20, dtype=torch.uint8, device=dev))  # freed later
+                del x, y
+        del outside, kept[:]
+    text, ops, info = rec.csv()
+    s = summarize(ops)
+    kinds = [o[0] for o in ops]
+    assert kinds.count("enter") == 3 and kinds.count("exit") == 3, kinds
+    # randn's 1 MiB, the matmul's 1 MiB, the kept 2 MiB per step (randn may use a temporary).
+    assert s["allocs"] >= 9, (s, ops)
+    assert all(size != 3 << 20 for o, _, size in ops if o == "alloc"), ops
+    # The kept buffers live across steps; the three are freed after the last step.
+    assert kinds[-3:] == ["free"] * 3, ops[-6:]
+    assert s["peak_live"] >= 3 * (2 << 20) + (2 << 20), s
+    print(f"tiny: ok ({s['allocs']} allocations, peak live {s['peak_live']} bytes)", flush=True)
+    rec.write(os.path.join(out, "tiny.csv.gz"))
+
+
+def record_gpt2_train(out, steps=8, batch=8, seq=256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=1024, vocab_size=50257)
+    model = GPT2LMHeadModel(cfg).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rec = Recorder("train_step")
+    with rec:
+        for _ in range(steps):
+            with rec.step():
+                step()
+    return rec.write(os.path.join(out, "gpt2_train.csv.gz"))
+
+
+def record_resnet_train(out, steps=8, batch=32):
+    import torchvision
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = torchvision.models.resnet50(weights=None).to(dev).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(batch, 3, 224, 224, device=dev)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step():
+        loss = lossf(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rec = Recorder("train_step")
+    with rec:
+        for _ in range(steps):
+            with rec.step():
+                step()
+    return rec.write(os.path.join(out, "resnet50_train.csv.gz"))
+
+
+def record_bert_infer(out, steps=10, batch=8):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = BertModel(BertConfig()).to(dev).eval()  # bert-base: 12 layers, 768 wide
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(16, 513, (steps,), generator=gen).tolist()
+    inputs = [torch.randint(0, 30522, (batch, n), generator=gen) for n in lengths]
+
+    def step(ids):
+        ids = ids.to(dev)
+        return model(input_ids=ids).last_hidden_state.sum().item()
+
+    rec = Recorder("infer")
+    with torch.no_grad(), rec:
+        for ids in inputs:
+            with rec.step():
+                step(ids)
+    print(f"bert-infer: sequence lengths {lengths}", flush=True)
+    return rec.write(os.path.join(out, "bert_infer.csv.gz"))
+
+
+def record_gpt2_decode(out, tokens=48, batch=4, prompt=64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()  # gpt2 (124M): 12 layers, 768 wide
+    ids = torch.randint(0, 50257, (batch, prompt), device=dev)
+    state = {"past": None, "next": ids}
+
+    def step():
+        o = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
+        state["past"] = o.past_key_values
+        state["next"] = o.logits[:, -1:].argmax(-1)
+
+    rec = Recorder("decode")
+    with torch.no_grad(), rec:
+        for _ in range(tokens + 1):  # the prompt, then one token a step
+            with rec.step():
+                step()
+        state.clear()
+    return rec.write(os.path.join(out, "gpt2_decode.csv.gz"))
+
+
+MODELS = {
+    "tiny": record_tiny,
+    "gpt2-train": record_gpt2_train,
+    "resnet-train": record_resnet_train,
+    "bert-infer": record_bert_infer,
+    "gpt2-decode": record_gpt2_decode,
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("models", nargs="+", choices=sorted(MODELS))
+    p.add_argument("--out", default=".", help="directory for <model>.csv.gz")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("record_torch: no CUDA device")
+    os.makedirs(args.out, exist_ok=True)
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}", flush=True)
+    for m in args.models:
+        t = time.time()
+        MODELS[m](args.out)
+        torch.cuda.empty_cache()
+        print(f"{m}: {time.time() - t:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

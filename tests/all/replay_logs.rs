@@ -1,0 +1,75 @@
+//! The PyTorch allocation logs (`tests/fixtures/*.csv.gz`, written on a GPU by
+//! `examples/replay/record_torch.py`): each parses, has live bytes, and replays on the CPU under
+//! every configuration of `examples/replay`'s table and bare, each peaking at or above the log's
+//! peak live bytes (the lower bound of any allocator), with the same figures every time; and a
+//! zero-byte allocation replays in every mode.
+
+use gpucache::{CacheConfig, Device};
+
+use crate::common::serial;
+use crate::replay::{self, CONFIGS, Mode, Op};
+
+const LOGS: &[&str] = &["gpt2_train", "resnet50_train", "bert_infer", "gpt2_decode"];
+
+/// Sets the fixtures' caches back to the default when dropped (even on a failure), for the tests
+/// that use the same names.
+struct Defaults(Vec<String>);
+
+impl Drop for Defaults {
+    fn drop(&mut self) {
+        for name in &self.0 {
+            gpucache::configure(name, CacheConfig::default());
+        }
+    }
+}
+
+#[test]
+fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
+    let _serial = serial();
+    let mut defaults = Defaults(Vec::new());
+    for log in LOGS {
+        let path = format!("{}/tests/fixtures/{log}.csv.gz", env!("CARGO_MANIFEST_DIR"));
+        let ops = replay::read(path.as_ref()).unwrap();
+        assert!(
+            replay::steps(&ops) >= 6,
+            "{log}: {} steps",
+            replay::steps(&ops)
+        );
+        defaults.0.extend(ops.iter().filter_map(|op| match op {
+            Op::Enter(name) => Some(name.clone()),
+            _ => None,
+        }));
+        defaults.0.dedup();
+        let live = replay::peak_live(&ops);
+        assert!(live > 0, "{log}");
+        let modes = CONFIGS.iter().map(|(_, c)| Mode::Configured(*c));
+        for mode in modes.chain([Mode::Bare]) {
+            let m = replay::memory(&ops, Device::Cpu, mode).unwrap();
+            assert_eq!(m.peak_live, live);
+            assert!(m.peak_device >= live, "{log}, {mode:?}: {m:?}");
+            let again = replay::memory(&ops, Device::Cpu, mode).unwrap();
+            assert_eq!(again, m, "{log}, {mode:?}: the figures are deterministic");
+        }
+    }
+    // Zero-byte allocations (torch logs may hold odd sizes) replay in every mode.
+    let alloc = |buffer, bytes| Op::Alloc {
+        cache: "replay_logs_zero".into(),
+        buffer,
+        bytes,
+        elem: 1,
+        dims: vec![bytes],
+    };
+    let ops = [
+        Op::Enter("replay_logs_zero".into()),
+        alloc(1, 0),
+        alloc(2, 512),
+        Op::Free { buffer: 1 },
+        Op::Free { buffer: 2 },
+        Op::Exit("replay_logs_zero".into()),
+    ];
+    let modes = CONFIGS.iter().map(|(_, c)| Mode::Configured(*c));
+    for mode in modes.chain([Mode::Bare]) {
+        let m = replay::memory(&ops, Device::Cpu, mode).unwrap();
+        assert!(m.peak_device >= 512, "{mode:?}: {m:?}");
+    }
+}

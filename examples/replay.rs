@@ -28,6 +28,8 @@
 #[path = "replay/mod.rs"]
 mod replay;
 
+use replay::plan;
+
 use std::path::PathBuf;
 
 use gpucache::Device;
@@ -115,7 +117,10 @@ struct Row {
     ratio_range: (f64, f64),
 }
 
-fn report(log: &str, dev: Device, rounds: usize) -> Result<(usize, Vec<Row>)> {
+/// What one log's report found: its peak live bytes, what plans would hold, the variants' rows.
+type Report = (usize, plan::Simulated, Vec<Row>);
+
+fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
     let ops = replay::read(&PathBuf::from(log))?;
     let allocs = ops
         .iter()
@@ -128,6 +133,15 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<(usize, Vec<Row>)> {
          {rounds} rounds",
         ops.len(),
         mib(live)
+    );
+    let planned = plan::simulate(&ops);
+    println!(
+        "planned steps, simulated from the log (one block, each position's largest size; arrays \
+         that outlive their step apart): peak {:.3}x peak live, largest step's own plan {:.3}x, \
+         {} re-plans",
+        planned.peak as f64 / live.max(1) as f64,
+        planned.largest_step_plan as f64 / live.max(1) as f64,
+        planned.replans
     );
     if !dev.is_cuda() {
         println!(
@@ -225,12 +239,12 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<(usize, Vec<Row>)> {
         rows.push(row);
     }
     println!();
-    Ok((live, rows))
+    Ok((live, planned, rows))
 }
 
 /// The three tables of several logs: rows the logs, columns the variants.
-fn print_summary(logs: &[(String, (usize, Vec<Row>))]) {
-    let Some((_, (_, first))) = logs.first() else {
+fn print_summary(logs: &[(String, Report)]) {
+    let Some((_, (_, _, first))) = logs.first() else {
         return;
     };
     let head = |what: &str| {
@@ -244,21 +258,27 @@ fn print_summary(logs: &[(String, (usize, Vec<Row>))]) {
             .trim_end_matches(".csv")
             .to_owned()
     };
-    head("Peak device bytes / peak live bytes");
-    for (log, (live, rows)) in logs {
+    println!(
+        "\nPeak device bytes / peak live bytes (last column: planned steps, simulated from the log)\n"
+    );
+    let labels: Vec<&str> = first.iter().map(|r| r.label.as_str()).collect();
+    println!("| log | {} | planned (simulated) |", labels.join(" | "));
+    println!("|---|{}---|", "---|".repeat(labels.len()));
+    for (log, (live, planned, rows)) in logs {
         let cells: Vec<String> = rows
             .iter()
             .map(|r| format!("{:.3}", r.peak as f64 / (*live).max(1) as f64))
             .collect();
         println!(
-            "| {} ({:.1} MiB) | {} |",
+            "| {} ({:.1} MiB) | {} | {:.3} |",
             name(log),
             mib(*live),
-            cells.join(" | ")
+            cells.join(" | "),
+            planned.peak as f64 / (*live).max(1) as f64
         );
     }
     head("Device allocations in the steps after the second");
-    for (log, (_, rows)) in logs {
+    for (log, (_, _, rows)) in logs {
         let cells: Vec<String> = rows
             .iter()
             .map(|r| r.allocs_after_step2.to_string())
@@ -269,7 +289,7 @@ fn print_summary(logs: &[(String, (usize, Vec<Row>))]) {
     head(
         "Host time per step (steps after the second), median over the rounds / the baseline's [range]",
     );
-    for (log, (_, rows)) in logs {
+    for (log, (_, _, rows)) in logs {
         let cells: Vec<String> = rows
             .iter()
             .map(|r| {

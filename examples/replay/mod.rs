@@ -29,6 +29,8 @@
 //! the recording, or outside its scopes) is skipped. Zero-byte allocations are fine.
 #![allow(dead_code)] // each example uses a part
 
+pub mod plan;
+
 use std::collections::HashMap;
 use std::error::Error;
 use std::fmt::Write as _;

@@ -13,6 +13,8 @@
 //!   allocation log of `examples/replay` and the replay of its fixture;
 //! * `replay_logs`: the PyTorch models' allocation logs (`tests/fixtures/*.csv.gz`) replay at or
 //!   above their peak live bytes;
+//! * `plan`: the step planner of `examples/replay/plan.rs` (property tests, small plans worked
+//!   out by hand, and what plans hold on the PyTorch models' logs);
 //! * `tracing_events` (feature `tracing`): misses, evictions, invalidations and out-of-memory as
 //!   `tracing` events.
 //!
@@ -30,6 +32,7 @@ mod disable;
 mod failures;
 mod faults;
 mod macros;
+mod plan;
 mod prop_programs;
 #[path = "../../examples/replay/mod.rs"]
 mod replay;

@@ -188,7 +188,9 @@ fn steps(ops: &[Op]) -> Vec<(Step, Vec<u64>)> {
     out
 }
 
-/// What plans would hold on `ops` (see the module docs). Arrays that outlive their step are
+/// What plans would hold on `ops` (see the module docs). Positions are numbered among the arrays
+/// that die within their step (known here from the whole log; a runtime numbers every
+/// allocation). Arrays that outlive their step are
 /// counted at their aligned size from their step's exit until the step that frees them (also
 /// during the step that allocates them, through the plan: a conservative overlap).
 pub fn simulate(ops: &[Op]) -> Simulated {

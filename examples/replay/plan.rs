@@ -126,15 +126,21 @@ struct Step {
     escaped: Vec<(u64, usize)>,
 }
 
+/// Frees of arrays made in earlier steps: those before a step's entry, and those during it.
+#[derive(Default)]
+struct Freed {
+    before: Vec<u64>,
+    during: Vec<u64>,
+}
+
 /// Splits `ops` into steps (outermost scopes) with their lifetimes.
-fn steps(ops: &[Op]) -> Vec<(Step, Vec<u64>)> {
+fn steps(ops: &[Op]) -> Vec<(Step, Freed)> {
     let mut out = Vec::new();
     let mut depth = 0usize;
     let mut tick = 0u32;
     let mut open: HashMap<u64, usize> = HashMap::new();
     let mut lives: Vec<(u64, Lifetime, bool)> = Vec::new();
-    // Frees (during the step) of buffers allocated before it.
-    let mut freed_before: Vec<u64> = Vec::new();
+    let mut freed = Freed::default();
     for op in ops {
         match op {
             Op::Enter(_) => {
@@ -142,7 +148,6 @@ fn steps(ops: &[Op]) -> Vec<(Step, Vec<u64>)> {
                     tick = 0;
                     open.clear();
                     lives.clear();
-                    freed_before.clear();
                 }
                 depth += 1;
             }
@@ -159,7 +164,7 @@ fn steps(ops: &[Op]) -> Vec<(Step, Vec<u64>)> {
                         .filter(|(_, _, done)| !*done)
                         .map(|&(b, l, _)| (b, l.bytes))
                         .collect();
-                    out.push((Step { planned, escaped }, freed_before.clone()));
+                    out.push((Step { planned, escaped }, std::mem::take(&mut freed)));
                 }
             }
             Op::Alloc { buffer, bytes, .. } if depth > 0 => {
@@ -180,8 +185,9 @@ fn steps(ops: &[Op]) -> Vec<(Step, Vec<u64>)> {
                     lives[i].1.end = tick;
                     lives[i].2 = true;
                 }
-                None => freed_before.push(*buffer),
+                None => freed.during.push(*buffer),
             },
+            Op::Free { buffer } => freed.before.push(*buffer),
             _ => {}
         }
     }
@@ -200,7 +206,10 @@ pub fn simulate(ops: &[Op]) -> Simulated {
     let mut block = 0usize;
     // Arrays served apart, alive: buffer -> bytes.
     let mut apart: HashMap<u64, usize> = HashMap::new();
-    for (n, (step, freed_before)) in steps(ops).into_iter().enumerate() {
+    for (n, (step, freed)) in steps(ops).into_iter().enumerate() {
+        for b in &freed.before {
+            apart.remove(b);
+        }
         let own = greedy_by_size(&step.planned).footprint;
         sim.largest_step_plan = sim.largest_step_plan.max(own);
         let fits = step.planned.len() == sizes.len()
@@ -229,8 +238,8 @@ pub fn simulate(ops: &[Op]) -> Simulated {
         let apart_now: usize = apart.values().sum();
         let escaping: usize = step.escaped.iter().map(|&(_, b)| b).sum();
         sim.peak = sim.peak.max(block + apart_now + escaping);
-        for b in freed_before {
-            apart.remove(&b);
+        for b in &freed.during {
+            apart.remove(b);
         }
         apart.extend(step.escaped);
     }

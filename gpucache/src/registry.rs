@@ -1,6 +1,7 @@
 //! The caches of every thread, by name: lookup, and the calls that act on a name everywhere
 //! ([`invalidate`], [`configure`], [`reset_peak`]) or on every cache ([`empty_cache`],
-//! [`snapshot`], [`summary`]), and device allocation with out-of-memory recovery.
+//! [`snapshot`], [`summary`]), and giving back what no array owns, for out-of-memory recovery
+//! (which the allocation pipeline runs: `alloc.rs`).
 //!
 //! Each thread keeps its caches in a thread-local map (looked up once per scope entry, never per
 //! allocation). So that one thread can reach every thread's caches, each thread also lists them

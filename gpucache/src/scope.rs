@@ -31,7 +31,10 @@ thread_local! {
 /// Dropping the guard exits the scope, on a normal exit, an early return, `?` and a panic
 /// unwinding alike.
 ///
-/// The name is looked up once here, not on every allocation.
+/// The name is looked up once here, not on every allocation. Any string is a name, the empty
+/// one included: `enter("")` enters the cache `""` like any other (returning a guard, `enter`
+/// has no error to give). `cache_scope!(name = <expr>, ..)` does the same with a name computed
+/// at run time; only the macros' literal forms refuse an empty name, at compile time, as a slip.
 ///
 /// ```
 /// use gpucache::{Array, Device};

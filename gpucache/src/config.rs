@@ -91,6 +91,19 @@ pub(crate) fn size_class(bytes: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn switch_values() {
+        for on in ["1", "true", "TRUE", "Yes", "on", " On "] {
+            assert_eq!(super::parse_switch(on), Some(true), "{on:?}");
+        }
+        for off in ["", "0", "false", "No", "OFF"] {
+            assert_eq!(super::parse_switch(off), Some(false), "{off:?}");
+        }
+        for other in ["2", "disable", "y"] {
+            assert_eq!(super::parse_switch(other), None, "{other:?}");
+        }
+    }
+
     use super::size_class;
 
     #[test]
@@ -141,23 +154,5 @@ fn parse_switch(value: &str) -> Option<bool> {
         "1" | "true" | "yes" | "on" => Some(true),
         "" | "0" | "false" | "no" | "off" => Some(false),
         _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_switch;
-
-    #[test]
-    fn switch_values() {
-        for on in ["1", "true", "TRUE", "Yes", "on", " On "] {
-            assert_eq!(parse_switch(on), Some(true), "{on:?}");
-        }
-        for off in ["", "0", "false", "No", "OFF"] {
-            assert_eq!(parse_switch(off), Some(false), "{off:?}");
-        }
-        for other in ["2", "disable", "y"] {
-            assert_eq!(parse_switch(other), None, "{other:?}");
-        }
     }
 }

@@ -332,8 +332,8 @@ pub use gpucache_macros::cache_scope_block as cache_scope;
 /// The names most programs need: `use gpucache::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        Array, CacheConfig, DType, Device, Element, Error, KeyPolicy, Result, Reuse, Shape,
-        invalidate, stats,
+        Array, CacheConfig, DType, Device, Element, Error, KeyPolicy, Result, Reuse, Shape, bf16,
+        f16, invalidate, stats,
     };
     /// The attribute `#[cache_scope(name)]`: runs a function inside the scope `name`. (The block
     /// macro is [`cache_scope!`](crate::cache_scope!) at the crate root.)

@@ -172,12 +172,11 @@ pub enum Error {
         device: Device,
     },
 
-    /// An array allocation inside a step being captured as a CUDA graph
-    /// ([`cuda::StepGraph`](crate::cuda::StepGraph)) was not a hit in the step's caches: a shape
-    /// changed since the warm-up runs, or the step allocates outside any scope. Nothing was
-    /// allocated, the capture was dropped, and the step did not run on the device; the next
-    /// [`StepGraph::run`](crate::cuda::StepGraph::run) runs it eagerly again (warming the cache
-    /// for the new shape) and captures it once it is warm.
+    /// An array allocation inside a step being captured as a CUDA graph (`cuda::StepGraph`,
+    /// feature `cuda`) was not a hit in the step's caches: a shape changed since the warm-up
+    /// runs, or the step allocates outside any scope. Nothing was allocated, the capture was
+    /// dropped, and the step did not run on the device; the next `StepGraph::run` runs it
+    /// eagerly again (warming the cache for the new shape) and captures it once it is warm.
     #[error(
         "{dtype} array of shape {dims:?} on {device} missed cache {cache:?} during graph capture"
     )]

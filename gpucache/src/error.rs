@@ -67,8 +67,7 @@ pub enum Error {
     },
 
     /// A CUDA device was asked for but this build of gpucache has no CUDA backend. Enable the
-    /// `cuda` feature (`gpucache = { version = "0.1", features = ["cuda"] }`) or use
-    /// `Device::Cpu`.
+    /// `cuda` feature (`features = ["cuda"]` on the gpucache dependency) or use `Device::Cpu`.
     #[error("{device} needs the `cuda` feature, which this build of gpucache lacks")]
     CudaNotEnabled {
         /// The device that was asked for.

@@ -89,6 +89,39 @@ pub(crate) fn size_class(bytes: usize) -> usize {
     bytes.div_ceil(step).checked_mul(step).unwrap_or(bytes)
 }
 
+/// Whether caching is turned off for the process by `GPUCACHE_DISABLE`, read once (at the first
+/// allocation, or the first [`summary`](crate::summary)). `1`, `true`, `yes` and `on` (any case)
+/// turn it off; unset, empty, `0`, `false`, `no` and `off` leave it on; any other value leaves it
+/// on with a one-line warning on standard error.
+#[inline]
+pub(crate) fn caching_disabled() -> bool {
+    static DISABLED: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        let Some(value) = std::env::var_os("GPUCACHE_DISABLE") else {
+            return false;
+        };
+        let switch = value.to_str().and_then(parse_switch);
+        if switch.is_none() {
+            eprintln!(
+                "gpucache: GPUCACHE_DISABLE={value:?} is neither on (1, true, yes, on) nor off \
+                 (0, false, no, off, empty); caching stays on"
+            );
+        }
+        switch.unwrap_or(false)
+    });
+    *DISABLED
+}
+
+/// An on/off environment value: `Some(true)` for `1`, `true`, `yes`, `on`, `Some(false)` for
+/// `0`, `false`, `no`, `off` and the empty string (any case, surrounding spaces ignored), `None`
+/// for anything else.
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -121,38 +154,5 @@ mod tests {
             let c = size_class(b);
             assert!(c >= b && (c - b) * 4 <= c, "{b} -> {c}");
         }
-    }
-}
-
-/// Whether caching is turned off for the process by `GPUCACHE_DISABLE`, read once (at the first
-/// allocation, or the first [`summary`](crate::summary)). `1`, `true`, `yes` and `on` (any case)
-/// turn it off; unset, empty, `0`, `false`, `no` and `off` leave it on; any other value leaves it
-/// on with a one-line warning on standard error.
-#[inline]
-pub(crate) fn caching_disabled() -> bool {
-    static DISABLED: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-        let Some(value) = std::env::var_os("GPUCACHE_DISABLE") else {
-            return false;
-        };
-        let switch = value.to_str().and_then(parse_switch);
-        if switch.is_none() {
-            eprintln!(
-                "gpucache: GPUCACHE_DISABLE={value:?} is neither on (1, true, yes, on) nor off \
-                 (0, false, no, off, empty); caching stays on"
-            );
-        }
-        switch.unwrap_or(false)
-    });
-    *DISABLED
-}
-
-/// An on/off environment value: `Some(true)` for `1`, `true`, `yes`, `on`, `Some(false)` for
-/// `0`, `false`, `no`, `off` and the empty string (any case, surrounding spaces ignored), `None`
-/// for anything else.
-fn parse_switch(value: &str) -> Option<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Some(true),
-        "" | "0" | "false" | "no" | "off" => Some(false),
-        _ => None,
     }
 }

@@ -425,6 +425,7 @@ fn arrays_are_unwind_safe() {
     unwind_safe::<Array<f32>>();
     unwind_safe::<Array<bool>>();
     unwind_safe::<&Array<u8>>();
+    let _shared = common::shared();
     let a = Array::<f32>::zeros(Device::Cpu, 4).unwrap();
     let read = std::panic::catch_unwind(|| a.to_vec().unwrap());
     assert_eq!(read.unwrap(), [0.0; 4]);

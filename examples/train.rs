@@ -62,7 +62,10 @@ fn run() -> Result<()> {
         [flag, path] if flag == "--plot" => Some(PathBuf::from(path)),
         _ => return Err("usage: train [--plot OUT.svg]".into()),
     };
-    if plot.is_some() && !gpucache::trace::is_recording() {
+    // Recording from the start means `GPUCACHE_TRACE` named a file that could be created (else
+    // the library said "not recording" and nothing is written at exit).
+    let from_env = gpucache::trace::is_recording();
+    if plot.is_some() && !from_env {
         gpucache::trace::start()?;
     }
     let data = dataset(&mut Rng::with_seed(DATA_SEED))?;
@@ -96,8 +99,8 @@ fn run() -> Result<()> {
     }
     println!("loss decreased from {first:.4} to {last:.4}");
     if let Some(svg) = plot {
-        draw(&svg)?;
-    } else if let Some(path) = std::env::var_os("GPUCACHE_TRACE") {
+        draw(&svg, from_env)?;
+    } else if let Some(path) = std::env::var_os("GPUCACHE_TRACE").filter(|_| from_env) {
         println!(
             "trace: {} (written at exit; open it at https://ui.perfetto.dev)",
             PathBuf::from(path).display()
@@ -106,11 +109,11 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-/// Stops recording, saves the trace (where `GPUCACHE_TRACE` says, else beside `svg`) and draws
-/// memory over time from it to `svg`.
-fn draw(svg: &std::path::Path) -> Result<()> {
+/// Stops recording, saves the trace (where `GPUCACHE_TRACE` says when it is recording there,
+/// else beside `svg`) and draws memory over time from it to `svg`.
+fn draw(svg: &std::path::Path, from_env: bool) -> Result<()> {
     let trace = gpucache::trace::stop().ok_or("the trace was not recorded")?;
-    let json = match std::env::var_os("GPUCACHE_TRACE") {
+    let json = match std::env::var_os("GPUCACHE_TRACE").filter(|_| from_env) {
         Some(path) => PathBuf::from(path), // written by `stop`
         None => {
             let json = svg.with_extension("json");

@@ -144,7 +144,8 @@ pub fn cache_scope(args: TokenStream, item: TokenStream) -> TokenStream {
 /// * `cache_scope!(name = <expr>, ..)`: **a name computed at run time.** The expression gives a
 ///   `&str`, a `String`, or anything `AsRef<str>`; it is evaluated once, before the body, and
 ///   passed by value (write `name = &names[i]` to lend one). A value of another type is a
-///   compile error at the expression.
+///   compile error at the expression. Any string is a name there, as for `gpucache::enter`:
+///   an empty one is the cache `""` (only a literal `""`, surely a slip, is refused).
 ///
 /// ```
 /// use gpucache::cache_scope;

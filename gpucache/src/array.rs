@@ -269,6 +269,22 @@ impl<T: Element> Drop for Array<T> {
     }
 }
 
+// Unwind safety. The compiler does not derive `UnwindSafe` / `RefUnwindSafe` for `Array`: its
+// `Block` holds an `Arc<dyn Backend>` and its `Home` a pointer to its cache (a `CacheCell`, with
+// interior mutability). What a panic caught by `catch_unwind` could leave behind:
+// * the array's own fields (block, home, shape, device) are set when it is made and only taken
+//   by `drop`; no method leaves them half-changed, and `&Array` changes nothing;
+// * its elements may be partly written by the caller's code, which is the caller's data, as
+//   with a `Vec<T>` (which is `UnwindSafe`); every bit pattern of an `Element` is valid, and
+//   `bool` arrays are written only through `&mut [bool]`;
+// * the cache and the backend are shared with other arrays and threads, and already kept
+//   consistent across panics: library code returns errors instead of panicking, their state
+//   sits behind locks and atomics that are never left half-updated, and scopes are exited by
+//   their guards' `Drop` during unwinding.
+// So an `Array`, or a reference to one, observed after a caught panic is in a valid state.
+impl<T: Element> std::panic::UnwindSafe for Array<T> {}
+impl<T: Element> std::panic::RefUnwindSafe for Array<T> {}
+
 impl<T: Element> fmt::Debug for Array<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Array")

@@ -89,8 +89,54 @@ pub(crate) fn size_class(bytes: usize) -> usize {
     bytes.div_ceil(step).checked_mul(step).unwrap_or(bytes)
 }
 
+/// Whether caching is turned off for the process by `GPUCACHE_DISABLE`, read once (at the first
+/// allocation, or the first [`summary`](crate::summary)). `1`, `true`, `yes` and `on` (any case)
+/// turn it off; unset, empty, `0`, `false`, `no` and `off` leave it on; any other value leaves it
+/// on with a one-line warning on standard error.
+#[inline]
+pub(crate) fn caching_disabled() -> bool {
+    static DISABLED: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        let Some(value) = std::env::var_os("GPUCACHE_DISABLE") else {
+            return false;
+        };
+        let switch = value.to_str().and_then(parse_switch);
+        if switch.is_none() {
+            eprintln!(
+                "gpucache: GPUCACHE_DISABLE={value:?} is neither on (1, true, yes, on) nor off \
+                 (0, false, no, off, empty); caching stays on"
+            );
+        }
+        switch.unwrap_or(false)
+    });
+    *DISABLED
+}
+
+/// An on/off environment value: `Some(true)` for `1`, `true`, `yes`, `on`, `Some(false)` for
+/// `0`, `false`, `no`, `off` and the empty string (any case, surrounding spaces ignored), `None`
+/// for anything else.
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn switch_values() {
+        for on in ["1", "true", "TRUE", "Yes", "on", " On "] {
+            assert_eq!(super::parse_switch(on), Some(true), "{on:?}");
+        }
+        for off in ["", "0", "false", "No", "OFF"] {
+            assert_eq!(super::parse_switch(off), Some(false), "{off:?}");
+        }
+        for other in ["2", "disable", "y"] {
+            assert_eq!(super::parse_switch(other), None, "{other:?}");
+        }
+    }
+
     use super::size_class;
 
     #[test]

@@ -1,5 +1,6 @@
 //! [`Error`] and [`Result`]: everything that can go wrong, typed, with messages a person can act on.
 
+use crate::metrics::Bytes;
 use crate::{DType, Device};
 
 /// The result type of every fallible gpucache operation.
@@ -48,8 +49,9 @@ pub enum Error {
     /// are done with, or use smaller batches. `cached` bytes are held by scopes active on other
     /// threads: they are released when those scopes exit.
     #[error(
-        "out of memory on {device}: {requested} bytes requested, {in_use} bytes in use by live \
-         arrays, {cached} bytes held by scopes active on other threads"
+        "out of memory on {device}: {} requested, {} in use by live arrays, {} held by scopes \
+         active on other threads",
+        Amount(*.requested), Amount(*.in_use), Amount(*.cached)
     )]
     OutOfMemory {
         /// The device that ran out.
@@ -65,8 +67,7 @@ pub enum Error {
     },
 
     /// A CUDA device was asked for but this build of gpucache has no CUDA backend. Enable the
-    /// `cuda` feature (`gpucache = { version = "0.1", features = ["cuda"] }`) or use
-    /// `Device::Cpu`.
+    /// `cuda` feature (`features = ["cuda"]` on the gpucache dependency) or use `Device::Cpu`.
     #[error("{device} needs the `cuda` feature, which this build of gpucache lacks")]
     CudaNotEnabled {
         /// The device that was asked for.
@@ -170,12 +171,11 @@ pub enum Error {
         device: Device,
     },
 
-    /// An array allocation inside a step being captured as a CUDA graph
-    /// ([`cuda::StepGraph`](crate::cuda::StepGraph)) was not a hit in the step's caches: a shape
-    /// changed since the warm-up runs, or the step allocates outside any scope. Nothing was
-    /// allocated, the capture was dropped, and the step did not run on the device; the next
-    /// [`StepGraph::run`](crate::cuda::StepGraph::run) runs it eagerly again (warming the cache
-    /// for the new shape) and captures it once it is warm.
+    /// An array allocation inside a step being captured as a CUDA graph (`cuda::StepGraph`,
+    /// feature `cuda`) was not a hit in the step's caches: a shape changed since the warm-up
+    /// runs, or the step allocates outside any scope. Nothing was allocated, the capture was
+    /// dropped, and the step did not run on the device; the next `StepGraph::run` runs it
+    /// eagerly again (warming the cache for the new shape) and captures it once it is warm.
     #[error(
         "{dtype} array of shape {dims:?} on {device} missed cache {cache:?} during graph capture"
     )]
@@ -265,6 +265,20 @@ fn of_type(dtype: Option<DType>) -> String {
     dtype.map(|t| format!(" of {t}")).unwrap_or_default()
 }
 
+/// A byte count in a message: binary units as the stats print them, and the exact count beside
+/// them (`1.5 MiB (1572864 bytes)`; under 1 KiB, `100 B`).
+struct Amount(usize);
+
+impl std::fmt::Display for Amount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0 < 1024 {
+            write!(f, "{}", Bytes(self.0))
+        } else {
+            write!(f, "{} ({} bytes)", Bytes(self.0), self.0)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,6 +331,21 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    #[test]
+    fn out_of_memory_prints_binary_units_and_bytes() {
+        let err = Error::OutOfMemory {
+            device: Device::Cpu,
+            requested: 3 << 19,
+            in_use: 2048,
+            cached: 100,
+        };
+        assert_eq!(
+            err.to_string(),
+            "out of memory on cpu: 1.5 MiB (1572864 bytes) requested, 2.0 KiB (2048 bytes) in \
+             use by live arrays, 100 B held by scopes active on other threads"
+        );
     }
 
     #[cfg(feature = "cuda")]

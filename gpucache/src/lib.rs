@@ -274,10 +274,13 @@
 //!
 //! ## Turning caching off
 //!
-//! `GPUCACHE_DISABLE=1` in the environment (read once, at the first allocation) turns caching
-//! off for the process: scopes are still entered, but every array allocates from the device
-//! and frees to it directly, so tools such as `compute-sanitizer` see every buffer's own
-//! allocation. [`stats`] then counts no hits or misses.
+//! `GPUCACHE_DISABLE=1` in the environment (or `true`, `yes`, `on`, in any case; read once, at
+//! the first allocation) turns caching off for the process: scopes are still entered, but every
+//! array allocates from the device and frees to it directly, so tools such as
+//! `compute-sanitizer` see every buffer's own allocation. [`stats`] then counts no hits or
+//! misses, and [`summary`] starts with the line `caching disabled (GPUCACHE_DISABLE)`. `0`,
+//! `false`, `no`, `off` and the empty string leave caching on; any other value leaves it on with
+//! a one-line warning on standard error.
 //!
 //! ## Testing code that uses gpucache
 //!
@@ -329,8 +332,8 @@ pub use gpucache_macros::cache_scope_block as cache_scope;
 /// The names most programs need: `use gpucache::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        Array, CacheConfig, DType, Device, Element, Error, KeyPolicy, Result, Reuse, Shape,
-        invalidate, stats,
+        Array, CacheConfig, DType, Device, Element, Error, KeyPolicy, Result, Reuse, Shape, bf16,
+        f16, invalidate, stats,
     };
     /// The attribute `#[cache_scope(name)]`: runs a function inside the scope `name`. (The block
     /// macro is [`cache_scope!`](crate::cache_scope!) at the crate root.)

@@ -322,9 +322,14 @@ pub fn snapshot() -> Snapshot {
 
 /// Every cache of every thread (see [`snapshot`]), as a table with one row per (thread, cache).
 /// Threads are shown as `name#number`, so threads that share a name stay apart; names longer
-/// than 40 characters are shortened.
+/// than 40 characters are shortened. When `GPUCACHE_DISABLE` turned caching off, the table is
+/// preceded by the line `caching disabled (GPUCACHE_DISABLE)`.
 pub fn summary() -> String {
-    snapshot().to_string()
+    let table = snapshot().to_string();
+    if crate::config::caching_disabled() {
+        return format!("caching disabled (GPUCACHE_DISABLE)\n{table}");
+    }
+    table
 }
 
 /// What gpucache has allocated and freed on `device`, cached or not, as counted by the backend

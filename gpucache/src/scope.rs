@@ -4,9 +4,12 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
 use std::ptr;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 
 use crate::cache::CacheCell;
+// Whether `GPUCACHE_DISABLE` turned caching off: scopes are still entered, but every array
+// allocates from and frees to the device directly (so compute-sanitizer sees every buffer).
+use crate::config::caching_disabled as disabled;
 use crate::registry;
 
 thread_local! {
@@ -28,7 +31,10 @@ thread_local! {
 /// Dropping the guard exits the scope, on a normal exit, an early return, `?` and a panic
 /// unwinding alike.
 ///
-/// The name is looked up once here, not on every allocation.
+/// The name is looked up once here, not on every allocation. Any string is a name, the empty
+/// one included: `enter("")` enters the cache `""` like any other (returning a guard, `enter`
+/// has no error to give). `cache_scope!(name = <expr>, ..)` does the same with a name computed
+/// at run time; only the macros' literal forms refuse an empty name, at compile time, as a slip.
 ///
 /// ```
 /// use gpucache::{Array, Device};
@@ -156,34 +162,28 @@ pub fn current_scope() -> Option<String> {
     with_innermost(|cell| cell.map(|c| c.name().to_owned()))
 }
 
-/// Whether caching is turned off for the process: `GPUCACHE_DISABLE=1` in the environment,
-/// read once. Scopes are still entered, but every array allocates from and frees to the device
-/// directly (so tools such as compute-sanitizer see every buffer).
-static DISABLED: LazyLock<bool> =
-    LazyLock::new(|| std::env::var_os("GPUCACHE_DISABLE").is_some_and(|v| v == "1"));
-
 /// Runs `f` with the cache that allocations on this thread go through: the innermost entered
 /// one (`None` outside any scope, once the cache is closed by thread teardown, and always when
-/// `GPUCACHE_DISABLE=1`).
+/// `GPUCACHE_DISABLE` turns caching off).
 #[inline]
 pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
-    if *DISABLED {
+    if disabled() {
         return f(None);
     }
     with_innermost(f)
 }
 
-/// Whether `GPUCACHE_DISABLE=1` turned caching off.
+/// Whether `GPUCACHE_DISABLE` turned caching off.
 #[cfg(feature = "cuda")]
 pub(crate) fn caching_disabled() -> bool {
-    *DISABLED
+    disabled()
 }
 
 /// [`with_current`], for the hit path: `None` also when the cache's events are being recorded
 /// (the slow path records them), with the one test `with_current` makes anyway.
 #[inline]
 pub(crate) fn with_current_plain<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
-    if *DISABLED {
+    if disabled() {
         return f(None);
     }
     let ptr = CURRENT.get();

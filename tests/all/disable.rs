@@ -1,34 +1,97 @@
-//! `GPUCACHE_DISABLE=1` turns caching off for the process. The variable is read once, so the
-//! test re-runs itself in a child process with it set.
+//! `GPUCACHE_DISABLE` turns caching off for the process. The variable is read once, so each test
+//! re-runs [`child_process`] in a child process of this binary with it set, and shows the
+//! child's output only when it fails.
 
 use std::process::Command;
 
 use crate::common;
 use gpucache::{Array, Device, enter, stats};
 
-const CHILD: &str = "disable::disabled_caching_allocates_and_frees_directly";
+const CHILD: &str = "disable::child_process";
+
+/// Runs [`child_process`] with `GPUCACHE_DISABLE=value`, expecting caching `disabled` or not;
+/// returns the child's standard error.
+fn child(value: &str, disabled: bool) -> String {
+    let out = Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            CHILD,
+            "--test-threads=1",
+            "--include-ignored",
+            "--nocapture",
+        ])
+        .env("GPUCACHE_DISABLE", value)
+        .env(
+            "GPUCACHE_DISABLE_EXPECT",
+            if disabled { "off" } else { "on" },
+        )
+        .env_remove("GPUCACHE_TRACE")
+        .output()
+        .expect("the test binary runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "the run with GPUCACHE_DISABLE={value:?} failed:\n{}\n{stderr}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    stderr
+}
+
+/// The warning an unrecognised value gives, as lines of `stderr`.
+fn warnings(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("gpucache: GPUCACHE_DISABLE="))
+        .count()
+}
 
 #[test]
 fn disabled_caching_allocates_and_frees_directly() {
-    if std::env::var_os("GPUCACHE_DISABLE").is_none_or(|v| v != "1") {
-        let status = Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--exact", CHILD, "--test-threads=1"])
-            .env("GPUCACHE_DISABLE", "1")
-            .status()
-            .expect("the test binary runs");
-        assert!(status.success(), "the run with GPUCACHE_DISABLE=1 failed");
-        return;
+    for value in ["1", "true", "YES", "On"] {
+        assert_eq!(warnings(&child(value, true)), 0, "{value:?}");
     }
+}
+
+#[test]
+fn off_values_leave_caching_on() {
+    for value in ["", "0", "false", "No", "OFF"] {
+        assert_eq!(warnings(&child(value, false)), 0, "{value:?}");
+    }
+}
+
+#[test]
+fn another_value_leaves_caching_on_with_one_warning() {
+    assert_eq!(warnings(&child("2", false)), 1);
+}
+
+/// What the child processes run (listed as ignored in a normal run).
+#[test]
+#[ignore = "run by the other tests of this module in a child process"]
+fn child_process() {
+    let disabled = match std::env::var("GPUCACHE_DISABLE_EXPECT").as_deref() {
+        Ok("off") => true,
+        Ok("on") => false,
+        _ => panic!("run by the tests of this module, with GPUCACHE_DISABLE_EXPECT set"),
+    };
     let (backend, _installed) = common::counting();
     for _ in 0..3 {
         let _scope = enter("disabled");
         assert_eq!(gpucache::current_scope().as_deref(), Some("disabled"));
         let a = Array::<f32>::zeros(Device::Cpu, [64, 64]).unwrap();
         assert_eq!(backend.outstanding_bytes(), 64 * 64 * 4);
-        drop(a); // freed at once, not kept for the scope's exit
-        assert_eq!(backend.outstanding_bytes(), 0);
+        drop(a); // disabled: freed at once, not kept for the scope's exit
+        let left = if disabled { 0 } else { 64 * 64 * 4 };
+        assert_eq!(backend.outstanding_bytes(), left);
     }
-    assert_eq!((backend.allocs(), backend.frees()), (3, 3));
     let s = stats("disabled");
-    assert_eq!((s.hits, s.misses, s.bytes_cached), (0, 0, 0));
+    let note = gpucache::summary().contains("caching disabled (GPUCACHE_DISABLE)");
+    if disabled {
+        assert_eq!((backend.allocs(), backend.frees()), (3, 3));
+        assert_eq!((s.hits, s.misses, s.bytes_cached), (0, 0, 0));
+        assert!(note, "summary() says that caching is disabled");
+    } else {
+        assert_eq!((backend.allocs(), s.hits, s.misses), (1, 2, 1));
+        assert!(!note);
+        gpucache::invalidate("disabled");
+    }
 }

@@ -7,7 +7,7 @@
 //! * `faults`: allocations failing on purpose (`testing::CountingBackend`);
 //! * `prop_programs`: random operation programs checked against a model after every step;
 //! * `stress`: many threads, many operations;
-//! * `disable`: `GPUCACHE_DISABLE=1` (in a child process of this binary);
+//! * `disable`: `GPUCACHE_DISABLE` (in child processes of this binary, their output captured);
 //! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
 //! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes), the
 //!   allocation log of `examples/replay` and the replay of its fixture;

@@ -24,7 +24,8 @@
 //! byte back. A failing program shrinks to a short list of readable operations.
 //!
 //! `empty_cache` reaches every thread's caches, so the tests of this binary run one at a time
-//! (`serial()`). `PROPTEST_CASES` sets the number of programs (default [`DEFAULT_CASES`]).
+//! (`serial()`). `PROPTEST_CASES` sets the number of programs (default [`DEFAULT_CASES`]), shared
+//! out among [`PARTS`] tests so that none runs for long.
 
 use crate::common;
 
@@ -44,6 +45,10 @@ use proptest::test_runner::FileFailurePersistence;
 
 /// Programs per run when `PROPTEST_CASES` is not set.
 const DEFAULT_CASES: u32 = 256;
+
+/// The random programs run as this many tests, each with its share of the cases (and its own
+/// random seed), so that no test runs past libtest's 60-second notice on a 2-core machine.
+const PARTS: u32 = 4;
 
 /// The shapes a program allocates: scalars, zero-size, and a few that repeat often enough to
 /// hit. Sizes stay small; under `KeyPolicy::SizeClass` some fall into one class, some do not.
@@ -219,9 +224,11 @@ fn config() -> ProptestConfig {
         ))),
         ..ProptestConfig::default()
     };
-    if std::env::var_os("PROPTEST_CASES").is_none() {
-        config.cases = DEFAULT_CASES;
-    }
+    let total = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(DEFAULT_CASES);
+    config.cases = total.div_ceil(PARTS).max(1);
     config
 }
 
@@ -229,7 +236,25 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn random_programs_keep_every_invariant(program in program()) {
+    fn random_programs_keep_every_invariant_1(program in program()) {
+        let _serial = serial();
+        run(&program.0);
+    }
+
+    #[test]
+    fn random_programs_keep_every_invariant_2(program in program()) {
+        let _serial = serial();
+        run(&program.0);
+    }
+
+    #[test]
+    fn random_programs_keep_every_invariant_3(program in program()) {
+        let _serial = serial();
+        run(&program.0);
+    }
+
+    #[test]
+    fn random_programs_keep_every_invariant_4(program in program()) {
         let _serial = serial();
         run(&program.0);
     }

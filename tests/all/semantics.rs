@@ -417,3 +417,18 @@ fn summary_lists_caches_of_every_thread() {
         .join()
         .unwrap();
 }
+
+/// `Array` and `&Array` may cross `catch_unwind` without `AssertUnwindSafe`.
+#[test]
+fn arrays_are_unwind_safe() {
+    fn unwind_safe<T: std::panic::UnwindSafe + std::panic::RefUnwindSafe>() {}
+    unwind_safe::<Array<f32>>();
+    unwind_safe::<Array<bool>>();
+    unwind_safe::<&Array<u8>>();
+    let _shared = common::shared();
+    let a = Array::<f32>::zeros(Device::Cpu, 4).unwrap();
+    let read = std::panic::catch_unwind(|| a.to_vec().unwrap());
+    assert_eq!(read.unwrap(), [0.0; 4]);
+    let moved = std::panic::catch_unwind(move || a.len());
+    assert_eq!(moved.unwrap(), 4);
+}

@@ -116,7 +116,10 @@ fn out_of_memory_recovery_frees_returned_buffers_and_reports_what_is_true() {
     assert_eq!((requested, cached, in_use), (asked, 0, 60 * MIB), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains(&format!("{} bytes in use by live arrays", 60 * MIB)),
+        msg.contains(&format!(
+            "60.0 MiB ({} bytes) in use by live arrays",
+            60 * MIB
+        )),
         "{msg}"
     );
     drop(live);

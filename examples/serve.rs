@@ -1,9 +1,9 @@
 //! An inference server's shape on the CPU: worker threads each run a `#[cache_scope]` step on
 //! batches of varying size, send the results over a channel, and a consumer thread drops them
 //! (so their buffers go back to the workers' caches from another thread). At the end,
-//! `gpucache::summary()` shows every thread's caches. The workers have exited by then, and an
-//! exited thread's row keeps its counters as they were when it exited: results still on their
-//! way to the consumer at that moment show as in use (and as not yet freed).
+//! `gpucache::summary()` shows every thread's caches. The workers have exited by then: their
+//! rows count the results the consumer dropped after they exited as freed (what their caches
+//! still held went back to the device at the exit), so nothing is in use.
 //!
 //! ```text
 //! cargo run --release --example serve

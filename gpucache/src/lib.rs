@@ -181,7 +181,8 @@
 //!   thread. Another thread's cache is changed at once when that thread is not inside a scope of
 //!   it, else when that scope exits; [`configure`] also holds for caches created later.
 //!   [`stats`] reads the calling thread's cache, [`snapshot`] every thread's (exited threads'
-//!   final counters included) and [`Snapshot::total`] sums them by name.
+//!   included: their rows go on counting the frees of their arrays still alive elsewhere) and
+//!   [`Snapshot::total`] sums them by name.
 //! * **Arrays dropped on another thread** go back to their home cache's return queue. The owner
 //!   takes it in when it next enters a scope of the cache (the buffers are free for that step),
 //!   when it misses, and when a scope exits. [`empty_cache`], [`invalidate`] and out-of-memory

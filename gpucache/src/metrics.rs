@@ -104,7 +104,8 @@ pub struct SnapshotRow {
     /// A number that tells threads apart for the life of the process, also when they share a
     /// name (every tokio worker is `tokio-rt-worker`).
     pub thread_number: u64,
-    /// Whether the thread has exited: the row holds the cache's final counters.
+    /// Whether the thread has exited: the row holds the cache's counters since, which change
+    /// only as its arrays still alive elsewhere drop (each is freed).
     pub exited: bool,
     /// The cache's name.
     pub cache: String,

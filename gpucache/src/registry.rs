@@ -42,15 +42,17 @@ fn lookup(configs: &[(Box<str>, CacheConfig)], name: &str) -> CacheConfig {
         .unwrap_or_default()
 }
 
-/// The final rows of caches whose threads have exited: the latest [`EXITED_ROWS`] one by one,
-/// older ones summed per cache name, so memory stays bounded by the number of names.
+/// The caches of threads that have exited: the latest [`EXITED_ROWS`] kept as they are, so
+/// that their rows count what happens after the exit (arrays still alive elsewhere that drop
+/// later free their buffers then), older ones summed per cache name once no array of theirs is
+/// alive, so memory stays bounded by the number of names and of caches with live arrays.
 #[derive(Default)]
 struct Exited {
-    recent: VecDeque<SnapshotRow>,
+    recent: VecDeque<Arc<CacheCell>>,
     older: Vec<SnapshotRow>,
 }
 
-/// How many rows of exited threads [`snapshot`] keeps one by one.
+/// How many caches of exited threads [`snapshot`] keeps one by one.
 const EXITED_ROWS: usize = 256;
 
 static EXITED: Mutex<Exited> = parking_lot::const_mutex(Exited {
@@ -59,21 +61,25 @@ static EXITED: Mutex<Exited> = parking_lot::const_mutex(Exited {
 });
 
 impl Exited {
-    fn record(&mut self, row: SnapshotRow) {
-        self.recent.push_back(row);
-        if self.recent.len() <= EXITED_ROWS {
-            return;
-        }
-        let Some(old) = self.recent.pop_front() else {
-            return;
-        };
-        match self.older.iter_mut().find(|r| r.cache == old.cache) {
-            Some(sum) => sum.stats = sum.stats.plus(&old.stats),
-            None => self.older.push(SnapshotRow {
-                thread: "(earlier threads)".into(),
-                thread_number: 0,
-                ..old
-            }),
+    fn record(&mut self, cell: Arc<CacheCell>) {
+        self.recent.push_back(cell);
+        while self.recent.len() > EXITED_ROWS {
+            // The oldest whose arrays have all dropped: its row is final.
+            let Some(i) = self.recent.iter().position(|c| !c.has_orphans()) else {
+                return;
+            };
+            let Some(old) = self.recent.remove(i) else {
+                return;
+            };
+            let old = row(&old, true);
+            match self.older.iter_mut().find(|r| r.cache == old.cache) {
+                Some(sum) => sum.stats = sum.stats.plus(&old.stats),
+                None => self.older.push(SnapshotRow {
+                    thread: "(earlier threads)".into(),
+                    thread_number: 0,
+                    ..old
+                }),
+            }
         }
     }
 }
@@ -114,7 +120,7 @@ impl Drop for Local {
         self.entry.cells.lock().clear();
         for (_, cell) in self.caches.get_mut().drain() {
             cell.close();
-            EXITED.lock().record(row(&cell, true));
+            EXITED.lock().record(cell);
         }
     }
 }
@@ -274,8 +280,10 @@ pub fn reset_peak(name: &str) {
     for_name(name, CacheCell::reset_peak, CacheCell::reset_peak);
 }
 
-/// A reading of every cache on every thread, including the final counters of threads that have
-/// exited (the latest 256 such rows one by one, older ones summed per cache name).
+/// A reading of every cache on every thread, including the caches of threads that have exited
+/// (the latest 256 one by one, older ones summed per cache name once none of their arrays is
+/// alive). An exited thread's row goes on counting: its arrays still alive elsewhere are counted
+/// as freed when they drop.
 ///
 /// ```
 /// use gpucache::{Array, Device};
@@ -292,8 +300,10 @@ pub fn reset_peak(name: &str) {
 /// ```
 pub fn snapshot() -> Snapshot {
     let cells = all_cells();
+    let exited: Vec<Arc<CacheCell>> = EXITED.lock().recent.iter().cloned().collect();
     let mut devices: Vec<DeviceUsage> = Vec::new();
-    for (device, bytes) in cells.iter().flat_map(|c| c.device_bytes()) {
+    // Arrays of exited threads' caches still alive elsewhere count on their device too.
+    for (device, bytes) in cells.iter().chain(&exited).flat_map(|c| c.device_bytes()) {
         let usage = match devices.iter_mut().find(|u| u.device == device) {
             Some(u) => u,
             None => {
@@ -310,13 +320,10 @@ pub fn snapshot() -> Snapshot {
     let mut rows: Vec<SnapshotRow> = cells.iter().map(|c| row(c, false)).collect();
     let key = |r: &SnapshotRow| (r.thread.clone(), r.thread_number, r.cache.clone());
     rows.sort_by_key(key);
-    {
-        let exited = EXITED.lock();
-        let mut gone: Vec<SnapshotRow> =
-            exited.older.iter().chain(&exited.recent).cloned().collect();
-        gone.sort_by_key(key);
-        rows.extend(gone);
-    }
+    let mut gone: Vec<SnapshotRow> = EXITED.lock().older.clone();
+    gone.extend(exited.iter().map(|c| row(c, true)));
+    gone.sort_by_key(key);
+    rows.extend(gone);
     Snapshot { rows, devices }
 }
 

@@ -475,3 +475,63 @@ fn a_request_racing_a_scope_exit_is_never_missed() {
     }
     configure(NAME, |_| {});
 }
+
+/// Arrays made in a scope of a thread that then exits, dropped on this thread: the name's total
+/// over every thread and the summary's row count their frees as the backend does, and show
+/// nothing in use, under every key policy.
+#[test]
+fn arrays_outliving_their_thread_are_counted_when_they_drop() {
+    let _serial = serial();
+    for (name, key) in [
+        ("outlive-exact", KeyPolicy::Exact),
+        ("outlive-class", KeyPolicy::SizeClass),
+        ("outlive-arena", KeyPolicy::Arena),
+    ] {
+        configure(name, |c| c.key = key);
+        let backend = CountingBackend::new();
+        let worker = Arc::clone(&backend);
+        let arrays: Vec<Array<u8>> = thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                let _installed = use_backend(&worker);
+                let _scope = enter(name);
+                (0..3)
+                    .map(|_| Array::zeros(Device::Cpu, 4096).unwrap())
+                    .collect()
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        let before = gpucache::snapshot().total(name);
+        assert!(before.bytes_in_use >= 3 * 4096, "{key:?}: {before}");
+        drop(arrays);
+        assert_eq!(backend.outstanding_bytes(), 0, "{key:?}");
+        let total = gpucache::snapshot().total(name);
+        assert_eq!(
+            (total.device_allocs, total.device_frees),
+            (backend.allocs(), backend.frees()),
+            "{key:?}: {total}"
+        );
+        assert_eq!(
+            (total.bytes_in_use, total.bytes_cached),
+            (0, 0),
+            "{key:?}: {total}"
+        );
+        let summary = gpucache::summary();
+        let row = summary
+            .lines()
+            .find(|l| l.starts_with(name) && l.contains("(exited)"))
+            .unwrap_or_else(|| panic!("no exited row of {name}:\n{summary}"));
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        // thread (exited) cache hits misses hit% allocs frees in-use...
+        assert_eq!(
+            (cells[6], cells[7], cells[8]),
+            (
+                backend.allocs().to_string().as_str(),
+                backend.frees().to_string().as_str(),
+                "0"
+            ),
+            "{key:?}: {row}"
+        );
+    }
+}

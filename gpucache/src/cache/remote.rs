@@ -137,6 +137,14 @@ impl CacheCell {
     }
 }
 
+impl CacheCell {
+    /// Whether arrays of this cache are still alive after its owner thread exited.
+    pub(crate) fn has_orphans(&self) -> bool {
+        let remote = self.remote.state.lock();
+        remote.closed && remote.orphans > 0
+    }
+}
+
 /// Returns a block from a thread other than the owner (or from the owner after it closed).
 pub(super) fn send_home_remote(home: Home, block: Block) {
     let keepalive = {
@@ -145,6 +153,11 @@ pub(super) fn send_home_remote(home: Home, block: Block) {
         let mut remote = cell.remote.state.lock();
         if remote.closed {
             remote.orphans -= 1;
+            // Counted as freed by the cache it came from, whose thread has exited: with no lock
+            // holder left, the counters are written under this mutex, as every such drop is.
+            if let Some(g) = cell.stats.find_gauge(block.device()) {
+                cell.stats.freed(g, block.bytes());
+            }
             let keepalive = if remote.orphans == 0 {
                 remote.keepalive.take()
             } else {

@@ -41,6 +41,8 @@
 
 mod arena;
 pub(crate) mod counters;
+#[cfg(feature = "tracing")]
+mod events;
 mod key;
 mod lock;
 mod remote;
@@ -176,6 +178,9 @@ impl Drop for LockGuard<'_> {
     fn drop(&mut self) {
         // SAFETY: a `LockGuard` is only made after taking the lock, which it still holds.
         unsafe { self.0.unlock() };
+        // The lock is given up and the state no longer borrowed.
+        #[cfg(feature = "tracing")]
+        events::emit();
     }
 }
 
@@ -389,11 +394,16 @@ impl CacheCell {
     }
 
     /// Runs `f` on the cache state. Owner thread only; `f` must not call back into any cache.
+    /// With feature `tracing`, the events `f` queued are emitted after it (outside a scope,
+    /// after the lock is given up).
     fn owned<R>(&self, f: impl FnOnce(&mut CacheState, &Counters) -> R) -> R {
         debug_assert!(self.is_owned_here());
         if self.is_active() {
             // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
-            f(unsafe { self.locked() }, &self.stats)
+            let r = f(unsafe { self.locked() }, &self.stats);
+            #[cfg(feature = "tracing")]
+            events::emit();
+            r
         } else {
             let mut held = self.hold();
             f(held.state(), &self.stats)
@@ -444,6 +454,9 @@ impl CacheCell {
         self.depth.store(0, Relaxed);
         // SAFETY: the lock was taken by the outermost `enter`; the borrow above has ended.
         unsafe { self.unlock() };
+        // What the scope queued (see `events`), now that the lock is given up.
+        #[cfg(feature = "tracing")]
+        events::emit();
     }
 
     /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only
@@ -504,14 +517,13 @@ impl CacheCell {
             add(&st.misses, 1);
             st.allocated(state.slots[slot as usize].gauge, block.bytes());
             #[cfg(feature = "tracing")]
-            tracing::debug!(
-                cache = %self.name,
-                dtype = %req.dtype,
-                dims = ?req.dims,
-                device = %req.device,
-                bytes = block.bytes(),
-                "cache miss: allocated from the device"
-            );
+            events::queue(|| events::Event::Miss {
+                cache: self.trace_id,
+                dtype: req.dtype,
+                dims: req.dims.into(),
+                device: req.device,
+                bytes: block.bytes(),
+            });
             if record::on() {
                 state.note_block(st, EventKind::Miss, slot, &block);
             }

@@ -336,7 +336,9 @@ impl CacheState {
         self.generation = self.generation.wrapping_add(1);
         add(&st.invalidations, 1);
         #[cfg(feature = "tracing")]
-        tracing::debug!(cache = %record::cache_name(self.trace_id), "cache invalidated");
+        super::events::queue(|| super::events::Event::Invalidated {
+            cache: self.trace_id,
+        });
         if record::on() {
             record::push(record::Note::about(
                 EventKind::Invalidate,
@@ -373,12 +375,11 @@ impl CacheState {
                 sub(st.gauge(g).cached, block.bytes());
                 add(&st.evictions, 1);
                 #[cfg(feature = "tracing")]
-                tracing::debug!(
-                    cache = %record::cache_name(self.trace_id),
-                    bytes = block.bytes(),
+                super::events::queue(|| super::events::Event::Evicted {
+                    cache: self.trace_id,
+                    bytes: block.bytes(),
                     cap,
-                    "evicted a free buffer to stay within max_cached_bytes"
-                );
+                });
                 if record::on() {
                     self.note_block(st, EventKind::Evict, slot, &block);
                 }

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use thread_local::ThreadLocal;
 
 use crate::backend;
-use crate::cache::CacheCell;
+use crate::cache::{CacheCell, ConfigSeq};
 use crate::metrics::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
 use crate::trace::record;
 use crate::{CacheConfig, Device, DeviceStats, Result};
@@ -29,15 +29,27 @@ struct ThreadEntry {
 
 static THREADS: ThreadLocal<ThreadEntry> = ThreadLocal::new();
 
-/// The options [`configure`] set, by name, for caches created later.
-static CONFIGS: Mutex<Vec<(Box<str>, CacheConfig)>> = parking_lot::const_mutex(Vec::new());
+/// The options [`configure`] set, by name, for caches created later, with the number of the
+/// call that set them.
+#[derive(Default)]
+struct Configs {
+    by_name: Vec<(Box<str>, ConfigSeq, CacheConfig)>,
+    /// The number of the latest call (see [`ConfigSeq`]).
+    seq: ConfigSeq,
+}
 
-/// The options `configure` set for `name` (the default if none).
-fn lookup(configs: &[(Box<str>, CacheConfig)], name: &str) -> CacheConfig {
+static CONFIGS: Mutex<Configs> = parking_lot::const_mutex(Configs {
+    by_name: Vec::new(),
+    seq: 0,
+});
+
+/// The options `configure` set for `name` and the call's number (the default and 0 if none).
+fn lookup(configs: &Configs, name: &str) -> (ConfigSeq, CacheConfig) {
     configs
+        .by_name
         .iter()
-        .find(|(n, _)| &**n == name)
-        .map(|&(_, c)| c)
+        .find(|(n, ..)| &**n == name)
+        .map(|&(_, seq, c)| (seq, c))
         .unwrap_or_default()
 }
 
@@ -227,23 +239,30 @@ pub fn empty_cache() {
 
 /// Sets the options of cache `name` on every thread: the caches of that name that exist (the
 /// calling thread's at once; another thread's at once when it is not inside a scope of it, else
-/// when that scope exits) and those created later. Unknown names are fine.
+/// when that scope exits) and those created later. Unknown names are fine. When calls race or
+/// one waits for a scope's exit, the last call (the last to reach the registry) wins on every
+/// cache: a cache never applies a call older than the one it has.
 ///
 /// Changing [`CacheConfig::key`] invalidates the cache (see [`invalidate`]); lowering
 /// [`CacheConfig::max_cached_bytes`] evicts at once.
 pub fn configure(name: &str, config: CacheConfig) {
-    {
+    // Numbered under the lock: the call that takes it last wins on every cache, whichever
+    // order the caches apply the calls in.
+    let seq = {
         let mut configs = CONFIGS.lock();
-        match configs.iter_mut().find(|(n, _)| &**n == name) {
-            Some((_, c)) => *c = config,
-            None => configs.push((name.into(), config)),
+        configs.seq += 1;
+        let seq = configs.seq;
+        match configs.by_name.iter_mut().find(|(n, ..)| &**n == name) {
+            Some((_, s, c)) => (*s, *c) = (seq, config),
+            None => configs.by_name.push((name.into(), seq, config)),
         }
-    }
+        seq
+    };
     for_name(
         name,
-        |cell| cell.configure(config),
+        |cell| cell.configure(seq, config),
         |cell| {
-            cell.request(|r| r.config = Some(config));
+            cell.request(|r| r.configure(seq, config));
         },
     );
 }

@@ -472,3 +472,37 @@ fn a_request_racing_a_scope_exit_is_never_missed() {
     }
     configure(NAME, |_| {});
 }
+
+#[test]
+fn the_last_configure_wins_on_the_owner_as_on_later_threads() {
+    let _serial = serial();
+    let name = "cfg-last-wins";
+    let fill = || {
+        let _step = enter(name);
+        drop(Array::<u8>::zeros(Device::Cpu, 4096).unwrap());
+    };
+    {
+        let _scope = enter(name);
+        // Another thread asks for cap 0 while the owner is busy: a request for its exit.
+        thread::spawn(|| configure(name, |c| c.max_cached_bytes = Some(0)))
+            .join()
+            .unwrap();
+        // Then the owner itself asks for no cap, which applies at once.
+        configure(name, |c| c.max_cached_bytes = None);
+    }
+    fill();
+    let own = stats(name);
+    let later = thread::spawn(move || {
+        fill();
+        stats(name)
+    })
+    .join()
+    .unwrap();
+    gpucache::invalidate(name);
+    gpucache::configure(name, CacheConfig::default());
+    assert_eq!(later.bytes_cached, 4096, "a later thread: {later}");
+    assert_eq!(
+        own.bytes_cached, 4096,
+        "the owner, as the last call asked: {own}"
+    );
+}

@@ -68,6 +68,7 @@ use lock::{CellLock, REQUESTED};
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, send_home_remote};
 use state::CacheState;
+pub(crate) use state::ConfigSeq;
 
 /// [`CacheCell::flags`]: the owner thread has exited.
 const CLOSED: u8 = 1;
@@ -186,7 +187,11 @@ impl Drop for LockGuard<'_> {
 
 impl CacheCell {
     /// A new, empty cache with `config`, owned by the calling thread.
-    pub(crate) fn new(name: &str, thread_name: &str, config: CacheConfig) -> CacheCell {
+    pub(crate) fn new(
+        name: &str,
+        thread_name: &str,
+        (config_seq, config): (ConfigSeq, CacheConfig),
+    ) -> CacheCell {
         let owner = thread::token();
         let trace_id = record::register_cell(name, owner);
         CacheCell {
@@ -203,7 +208,7 @@ impl CacheCell {
                         0
                     },
             ),
-            state: UnsafeCell::new(CacheState::new(config, trace_id)),
+            state: UnsafeCell::new(CacheState::new(config, config_seq, trace_id)),
             stats: Counters::default(),
             remote: RemoteSide::default(),
             trace_id,
@@ -362,8 +367,8 @@ impl CacheCell {
         }
         let requests = mem::take(&mut self.remote.state.lock().requests);
         self.drain_returned(state, false);
-        if let Some(config) = requests.config {
-            self.configure_locked(state, config);
+        if let Some((seq, config)) = requests.config {
+            self.configure_locked(state, seq, config);
         }
         if requests.invalidate {
             state.invalidate(&self.stats);
@@ -560,9 +565,10 @@ impl CacheCell {
         });
     }
 
-    /// Applies `config` (owner thread). Changing the key policy invalidates the cache.
-    pub(crate) fn configure(&self, config: CacheConfig) {
-        self.owned(|state, _| self.configure_locked(state, config));
+    /// Applies the options of `configure` call `seq` (owner thread), unless the cache applied a
+    /// later call's. Changing the key policy invalidates the cache.
+    pub(crate) fn configure(&self, seq: ConfigSeq, config: CacheConfig) {
+        self.owned(|state, _| self.configure_locked(state, seq, config));
     }
 
     /// The configuration (owner thread).

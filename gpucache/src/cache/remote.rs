@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use super::arena::block::VIEW_SLOT;
 use super::counters::GaugeIx;
 use super::lock::RETURNED;
-use super::state::CacheState;
+use super::state::{CacheState, ConfigSeq};
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
@@ -31,8 +31,8 @@ pub(super) struct Returned {
 /// What other threads asked of the cache, for the next holder of its lock.
 #[derive(Default)]
 pub(crate) struct Requests {
-    /// New options (`configure`).
-    pub(crate) config: Option<CacheConfig>,
+    /// New options (`configure`), with the number of that call (see [`ConfigSeq`]).
+    pub(crate) config: Option<(ConfigSeq, CacheConfig)>,
     /// Invalidate the cache.
     pub(crate) invalidate: bool,
     /// Free the free lists of these devices (`None`: every device).
@@ -62,6 +62,15 @@ pub(super) struct Remote {
 #[derive(Default)]
 pub(super) struct RemoteSide {
     pub(super) state: Mutex<Remote>,
+}
+
+impl Requests {
+    /// Asks for the options of `configure` call `seq` (kept if a later call already asked).
+    pub(crate) fn configure(&mut self, seq: ConfigSeq, config: CacheConfig) {
+        if self.config.is_none_or(|(queued, _)| queued < seq) {
+            self.config = Some((seq, config));
+        }
+    }
 }
 
 impl CacheCell {

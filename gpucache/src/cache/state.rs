@@ -16,6 +16,11 @@ use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy, Reuse};
 use crate::trace::record::{self, EventKind};
 
+/// The number of a `configure` call, in the order the calls took the registry's lock (0: the
+/// default options). A cache applies options only from a call later than those it applied, so
+/// that a request served late never undoes a later call.
+pub(crate) type ConfigSeq = u64;
+
 /// A free buffer and when it was freed (a stamp of the cache's clock).
 pub(super) struct Free {
     block: Block,
@@ -41,6 +46,8 @@ pub(super) struct SlotMeta {
 /// The state of a cache, behind the cell's lock.
 pub(super) struct CacheState {
     pub(super) config: CacheConfig,
+    /// The `configure` call `config` came from.
+    pub(super) config_seq: ConfigSeq,
     /// The cache's number in recorded events.
     pub(super) trace_id: u32,
     pub(super) generation: u32,
@@ -70,9 +77,10 @@ pub(super) struct CacheState {
 
 impl CacheState {
     /// An empty cache state with `config`.
-    pub(super) fn new(config: CacheConfig, trace_id: u32) -> CacheState {
+    pub(super) fn new(config: CacheConfig, config_seq: ConfigSeq, trace_id: u32) -> CacheState {
         CacheState {
             config,
+            config_seq,
             trace_id,
             generation: 0,
             keys: HashTable::new(),

@@ -220,7 +220,7 @@ fn for_name(name: &str, own: impl Fn(&CacheCell), other: impl Fn(&CacheCell)) {
 pub fn invalidate(name: &str) {
     for_name(name, CacheCell::invalidate, |cell| {
         cell.free_returned(None);
-        cell.request(|r| r.invalidate = true);
+        cell.request(|r| r.invalidate += 1);
     });
 }
 

@@ -506,3 +506,26 @@ fn the_last_configure_wins_on_the_owner_as_on_later_threads() {
         "the owner, as the last call asked: {own}"
     );
 }
+
+#[test]
+fn invalidations_count_the_calls_that_reached_the_cache() {
+    let _serial = serial();
+    let name = "inval-count";
+    {
+        let _scope = enter(name);
+        drop(Array::<u8>::zeros(Device::Cpu, 64).unwrap());
+        // Three calls while the owner is busy: served together at its exit, counted each.
+        for _ in 0..3 {
+            thread::spawn(move || gpucache::invalidate(name))
+                .join()
+                .unwrap();
+        }
+    }
+    assert_eq!(stats(name).invalidations, 3);
+    gpucache::invalidate(name);
+    assert_eq!(stats(name).invalidations, 4);
+    // A change of key policy empties the cache, but is no call of `invalidate`.
+    configure(name, |c| c.key = KeyPolicy::SizeClass);
+    assert_eq!(stats(name).invalidations, 4);
+    gpucache::configure(name, CacheConfig::default());
+}

@@ -370,8 +370,10 @@ impl CacheCell {
         if let Some((seq, config)) = requests.config {
             self.configure_locked(state, seq, config);
         }
-        if requests.invalidate {
+        if requests.invalidate > 0 {
+            // One invalidation serves them all; each call counts.
             state.invalidate(&self.stats);
+            add(&self.stats.invalidations, requests.invalidate);
         }
         // Requests are served with no scope of the cache active.
         for device in requests.flush {
@@ -562,6 +564,7 @@ impl CacheCell {
         self.owned(|state, st| {
             self.drain_returned(state, false);
             state.invalidate(st);
+            add(&st.invalidations, 1);
         });
     }
 
@@ -571,10 +574,11 @@ impl CacheCell {
         self.owned(|state, _| self.configure_locked(state, seq, config));
     }
 
-    /// The configuration (owner thread).
+    /// The configuration and the generation (owner thread): a new generation starts at each
+    /// invalidation, whether a call or a change of key policy asked for it.
     #[cfg(feature = "cuda")]
-    pub(crate) fn config(&self) -> CacheConfig {
-        self.owned(|state, _| state.config)
+    pub(crate) fn config(&self) -> (CacheConfig, u32) {
+        self.owned(|state, _| (state.config, state.generation))
     }
 
     /// Restarts the peak from the bytes held now (any thread).

@@ -33,8 +33,9 @@ pub(super) struct Returned {
 pub(crate) struct Requests {
     /// New options (`configure`), with the number of that call (see [`ConfigSeq`]).
     pub(crate) config: Option<(ConfigSeq, CacheConfig)>,
-    /// Invalidate the cache.
-    pub(crate) invalidate: bool,
+    /// Invalidate the cache: the number of `invalidate` calls that asked (one invalidation
+    /// serves them all; each counts in the cache's `invalidations`).
+    pub(crate) invalidate: usize,
     /// Free the free lists of these devices (`None`: every device).
     pub(crate) flush: Vec<Option<Device>>,
 }

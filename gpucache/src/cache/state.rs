@@ -336,13 +336,13 @@ impl CacheState {
 
     /// Frees every buffer the cache has back (free, pending, deferred) and starts a new
     /// generation. The keys and their (now empty) free lists stay, so `Home::slot` stays valid.
+    /// The caller counts the `invalidate` calls it serves (a change of key policy is none).
     pub(super) fn invalidate(&mut self, st: &Counters) {
         self.flush(st, None);
         self.free_waiting(st, None);
         self.free_arenas(st, None, true, true);
         self.lru.clear();
         self.generation = self.generation.wrapping_add(1);
-        add(&st.invalidations, 1);
         #[cfg(feature = "tracing")]
         super::events::queue(|| super::events::Event::Invalidated {
             cache: self.trace_id,

@@ -373,7 +373,7 @@ pub(crate) fn give_back_unowned(device: Option<Device>, pending: bool) {
         if cell.is_owned_here() {
             cell.give_back_owned(device, pending);
         } else {
-            cell.request(|r| r.flush.push(device));
+            cell.request(|r| r.flush(device));
         }
     }
 }
@@ -406,5 +406,37 @@ pub(crate) fn set_traced(on: bool) {
         if on {
             cell.note_all_bytes();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::channel;
+
+    #[test]
+    fn flush_requests_behind_a_long_scope_stay_few() {
+        let (cell_tx, cell_rx) = channel();
+        let (done_tx, done_rx) = channel::<()>();
+        let owner = std::thread::spawn(move || {
+            let cell = create_cell("registry-flush-requests").unwrap();
+            cell.enter();
+            cell_tx.send(Arc::clone(&cell)).unwrap();
+            let _ = done_rx.recv();
+            cell.exit();
+        });
+        let cell = cell_rx.recv().unwrap();
+        for _ in 0..100 {
+            give_back_unowned(Some(Device::Cpu), false);
+        }
+        assert_eq!(cell.queued_flushes(), 1, "one device, flushed once");
+        for _ in 0..100 {
+            give_back_unowned(None, false);
+            give_back_unowned(Some(Device::Cpu), false);
+        }
+        assert_eq!(cell.queued_flushes(), 1, "every device subsumes the rest");
+        done_tx.send(()).unwrap();
+        owner.join().unwrap();
+        assert_eq!(cell.queued_flushes(), 0);
     }
 }

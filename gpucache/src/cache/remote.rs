@@ -36,8 +36,10 @@ pub(crate) struct Requests {
     /// Invalidate the cache: the number of `invalidate` calls that asked (one invalidation
     /// serves them all; each counts in the cache's `invalidations`).
     pub(crate) invalidate: usize,
-    /// Free the free lists of these devices (`None`: every device).
-    pub(crate) flush: Vec<Option<Device>>,
+    /// Free the free lists of these devices (`None`: every device), each at most once, and
+    /// `None` alone (see [`Requests::flush`]): bounded by the devices, however long the owner's
+    /// scope.
+    pub(super) flush: Vec<Option<Device>>,
 }
 
 /// The part of a cache that other threads write.
@@ -66,6 +68,18 @@ pub(super) struct RemoteSide {
 }
 
 impl Requests {
+    /// Asks for the free lists of `device` (`None`: every device) to be freed. A device asked
+    /// for already, or every device, subsumes it; every device subsumes the rest.
+    pub(crate) fn flush(&mut self, device: Option<Device>) {
+        if self.flush.contains(&None) || self.flush.contains(&device) {
+            return;
+        }
+        if device.is_none() {
+            self.flush.clear();
+        }
+        self.flush.push(device);
+    }
+
     /// Asks for the options of `configure` call `seq` (kept if a later call already asked).
     pub(crate) fn configure(&mut self, seq: ConfigSeq, config: CacheConfig) {
         if self.config.is_none_or(|(queued, _)| queued < seq) {
@@ -75,6 +89,12 @@ impl Requests {
 }
 
 impl CacheCell {
+    /// The flush requests waiting for the lock holder.
+    #[cfg(test)]
+    pub(crate) fn queued_flushes(&self) -> usize {
+        self.remote.state.lock().requests.flush.len()
+    }
+
     /// Takes in the buffers other threads returned (lock holder), and accounts those another
     /// thread gave back to the device. Cheap when there are none: one load of the lock's
     /// [`RETURNED`] hint, inlined; the mutex is taken only when it is set.

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
 use thread_local::ThreadLocal;
 
@@ -53,24 +53,56 @@ fn lookup(configs: &Configs, name: &str) -> (ConfigSeq, CacheConfig) {
         .unwrap_or_default()
 }
 
+/// The final counters of a cache whose thread has exited; its names are shared with the other
+/// rows (see [`Exited::names`]).
+struct ExitedRow {
+    thread: Arc<str>,
+    thread_number: u64,
+    cache: Arc<str>,
+    stats: CacheStats,
+}
+
 /// The final rows of caches whose threads have exited: the latest [`EXITED_ROWS`] one by one,
 /// older ones summed per cache name, so memory stays bounded by the number of names.
 #[derive(Default)]
 struct Exited {
-    recent: VecDeque<SnapshotRow>,
-    older: Vec<SnapshotRow>,
+    recent: VecDeque<ExitedRow>,
+    /// Per cache name, the sum of its rows that left `recent` (found by hash: a thread's exit
+    /// costs the same however many names there are).
+    older: HashMap<Arc<str>, CacheStats>,
+    /// The names the rows hold, one copy each (a name no row holds any more is let go), so
+    /// that threads sharing a long name keep it once.
+    names: HashSet<Arc<str>>,
 }
 
 /// How many rows of exited threads [`snapshot`] keeps one by one.
 const EXITED_ROWS: usize = 256;
 
-static EXITED: Mutex<Exited> = parking_lot::const_mutex(Exited {
-    recent: VecDeque::new(),
-    older: Vec::new(),
-});
+static EXITED: Mutex<Option<Exited>> = parking_lot::const_mutex(None);
 
 impl Exited {
-    fn record(&mut self, row: SnapshotRow) {
+    /// The shared copy of `name`.
+    fn intern(&mut self, name: &str) -> Arc<str> {
+        if let Some(name) = self.names.get(name) {
+            return Arc::clone(name);
+        }
+        let name: Arc<str> = name.into();
+        self.names.insert(Arc::clone(&name));
+        name
+    }
+
+    /// Keeps the final counters of `cell`.
+    fn record(&mut self, cell: &CacheCell) {
+        let row = ExitedRow {
+            thread: self.intern(cell.thread_name()),
+            thread_number: cell.thread_number(),
+            cache: self.intern(cell.name()),
+            stats: cell.snapshot(),
+        };
+        self.push(row);
+    }
+
+    fn push(&mut self, row: ExitedRow) {
         self.recent.push_back(row);
         if self.recent.len() <= EXITED_ROWS {
             return;
@@ -78,14 +110,31 @@ impl Exited {
         let Some(old) = self.recent.pop_front() else {
             return;
         };
-        match self.older.iter_mut().find(|r| r.cache == old.cache) {
-            Some(sum) => sum.stats = sum.stats.plus(&old.stats),
-            None => self.older.push(SnapshotRow {
-                thread: "(earlier threads)".into(),
-                thread_number: 0,
-                ..old
-            }),
+        let sum = self.older.entry(Arc::clone(&old.cache)).or_default();
+        *sum = sum.plus(&old.stats);
+        // Its thread's name, if no other row holds it (the cache's stays, in `older`).
+        if Arc::strong_count(&old.thread) == 2 {
+            self.names.remove(&old.thread);
         }
+    }
+
+    /// The rows, as [`snapshot`] shows them.
+    fn rows(&self) -> impl Iterator<Item = SnapshotRow> + '_ {
+        let older = self.older.iter().map(|(cache, stats)| SnapshotRow {
+            thread: "(earlier threads)".into(),
+            thread_number: 0,
+            exited: true,
+            cache: cache.to_string(),
+            stats: *stats,
+        });
+        let recent = self.recent.iter().map(|r| SnapshotRow {
+            thread: r.thread.to_string(),
+            thread_number: r.thread_number,
+            exited: true,
+            cache: r.cache.to_string(),
+            stats: r.stats,
+        });
+        older.chain(recent)
     }
 }
 
@@ -125,7 +174,10 @@ impl Drop for Local {
         self.entry.cells.lock().clear();
         for (_, cell) in self.caches.get_mut().drain() {
             cell.close();
-            EXITED.lock().record(row(&cell, true));
+            EXITED
+                .lock()
+                .get_or_insert_with(Exited::default)
+                .record(&cell);
         }
     }
 }
@@ -330,8 +382,7 @@ pub fn snapshot() -> Snapshot {
     rows.sort_by_key(key);
     {
         let exited = EXITED.lock();
-        let mut gone: Vec<SnapshotRow> =
-            exited.older.iter().chain(&exited.recent).cloned().collect();
+        let mut gone: Vec<SnapshotRow> = exited.iter().flat_map(Exited::rows).collect();
         gone.sort_by_key(key);
         rows.extend(gone);
     }
@@ -413,6 +464,61 @@ pub(crate) fn set_traced(on: bool) {
 mod tests {
     use super::*;
     use std::sync::mpsc::channel;
+
+    fn exited_row(exited: &mut Exited, thread: &str, number: u64, cache: &str) -> ExitedRow {
+        ExitedRow {
+            thread: exited.intern(thread),
+            thread_number: number,
+            cache: exited.intern(cache),
+            stats: CacheStats {
+                misses: 1,
+                ..CacheStats::default()
+            },
+        }
+    }
+
+    #[test]
+    fn exited_rows_are_summed_by_name_in_a_map() {
+        let mut exited = Exited::default();
+        let names = 2000;
+        for i in 0..(EXITED_ROWS + 2 * names) as u64 {
+            let row = exited_row(&mut exited, "t", i, &format!("cache-{}", i % names as u64));
+            exited.push(row);
+        }
+        // Every name once, with the sum of its rows (two each, but the latest 256 rows).
+        assert_eq!(exited.older.len(), names);
+        let summed: u64 = exited.older.values().map(|s| s.misses).sum();
+        assert_eq!(summed, 2 * names as u64);
+        assert_eq!(exited.rows().count(), names + EXITED_ROWS);
+    }
+
+    #[test]
+    fn exited_rows_keep_one_copy_of_a_long_name() {
+        let mut exited = Exited::default();
+        let long = "x".repeat(1 << 16);
+        for i in 0..300 {
+            let row = exited_row(&mut exited, &long, i, &long);
+            exited.push(row);
+        }
+        assert_eq!(exited.names.len(), 1);
+        assert!(
+            exited
+                .recent
+                .iter()
+                .all(|r| Arc::ptr_eq(&r.thread, &r.cache))
+        );
+        // A thread name no row holds is let go.
+        for i in 0..EXITED_ROWS as u64 {
+            let row = exited_row(&mut exited, "short", i, "c");
+            exited.push(row);
+        }
+        assert!(
+            exited
+                .names
+                .iter()
+                .all(|n| n.len() < 1 << 16 || exited.older.contains_key(n))
+        );
+    }
 
     #[test]
     fn flush_requests_behind_a_long_scope_stay_few() {

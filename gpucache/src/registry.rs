@@ -27,7 +27,10 @@ struct ThreadEntry {
     cells: Mutex<Vec<Arc<CacheCell>>>,
 }
 
-static THREADS: ThreadLocal<ThreadEntry> = ThreadLocal::new();
+/// Each thread's entry. The thread keeps its own `Arc` (in [`Local`]) rather than the reference
+/// `get_or` returns, which is derived from a `&mut` inside the `ThreadLocal` that other threads
+/// iterate over meanwhile (an aliasing Miri reports); the reference is used only to clone.
+static THREADS: ThreadLocal<Arc<ThreadEntry>> = ThreadLocal::new();
 
 /// The options [`configure`] set, by name, for caches created later, with the number of the
 /// call that set them.
@@ -152,7 +155,7 @@ fn row(cell: &CacheCell, exited: bool) -> SnapshotRow {
 /// A thread's caches, as the thread itself sees them.
 struct Local {
     caches: RefCell<HashMap<Box<str>, Arc<CacheCell>>>,
-    entry: &'static ThreadEntry,
+    entry: Arc<ThreadEntry>,
     thread_name: String,
 }
 
@@ -160,7 +163,7 @@ impl Local {
     fn new() -> Local {
         Local {
             caches: RefCell::default(),
-            entry: THREADS.get_or_default(),
+            entry: Arc::clone(THREADS.get_or_default()),
             thread_name: crate::thread::name(),
         }
     }

@@ -481,6 +481,26 @@ mod tests {
     }
 
     #[test]
+    fn caches_that_never_record_take_no_number_for_events() {
+        let before = record::registered_cells();
+        for _ in 0..100 {
+            std::thread::spawn(|| {
+                let cell = create_cell("registry-unrecorded").unwrap();
+                cell.enter();
+                cell.exit();
+            })
+            .join()
+            .unwrap();
+        }
+        // (Other tests of this binary may record meanwhile, but not 100 caches.)
+        let grown = record::registered_cells() - before;
+        assert!(
+            grown < 100,
+            "{grown} numbers for caches that never recorded"
+        );
+    }
+
+    #[test]
     fn exited_rows_are_summed_by_name_in_a_map() {
         let mut exited = Exited::default();
         let names = 2000;

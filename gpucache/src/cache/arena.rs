@@ -373,7 +373,7 @@ impl CacheState {
             device: Some(device),
             stream: backend::current_stream_id(device),
             bytes_after: gauge.map(|g| super::traced::gauge_bytes(st, g)),
-            ..Note::about(kind, Some(self.trace_id))
+            ..Note::about(kind, Some(self.trace.id()))
         });
     }
 }

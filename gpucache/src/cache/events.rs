@@ -12,24 +12,24 @@
 
 use std::cell::RefCell;
 use std::mem;
+use std::sync::Arc;
 
-use crate::trace::record;
 use crate::{DType, Device};
 
-/// A queued event; caches are named by their number in recorded events.
+/// A queued event.
 pub(super) enum Event {
     Miss {
-        cache: u32,
+        cache: Arc<str>,
         dtype: DType,
         dims: Box<[usize]>,
         device: Device,
         bytes: usize,
     },
     Invalidated {
-        cache: u32,
+        cache: Arc<str>,
     },
     Evicted {
-        cache: u32,
+        cache: Arc<str>,
         bytes: usize,
         cap: usize,
     },
@@ -72,7 +72,7 @@ fn emit_all(events: Vec<Event>) {
                 device,
                 bytes,
             } => tracing::debug!(
-                cache = %record::cache_name(cache),
+                cache = %cache,
                 dtype = %dtype,
                 dims = ?dims,
                 device = %device,
@@ -80,10 +80,10 @@ fn emit_all(events: Vec<Event>) {
                 "cache miss: allocated from the device"
             ),
             Event::Invalidated { cache } => {
-                tracing::debug!(cache = %record::cache_name(cache), "cache invalidated")
+                tracing::debug!(cache = %cache, "cache invalidated")
             }
             Event::Evicted { cache, bytes, cap } => tracing::debug!(
-                cache = %record::cache_name(cache),
+                cache = %cache,
                 bytes,
                 cap,
                 "evicted a free buffer to stay within max_cached_bytes"

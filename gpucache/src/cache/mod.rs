@@ -139,7 +139,6 @@ pub(crate) enum Got {
 
 /// One named cache of one thread.
 pub(crate) struct CacheCell {
-    name: Box<str>,
     thread_name: Box<str>,
     owner: thread::ThreadToken,
     /// The lock, and the hints other threads leave for its holder (see [`lock`]).
@@ -155,8 +154,8 @@ pub(crate) struct CacheCell {
     state: UnsafeCell<CacheState>,
     stats: Counters,
     remote: RemoteSide,
-    /// The cache's number in recorded events.
-    trace_id: u32,
+    /// The cache's name and number in recorded events.
+    trace: Arc<record::CellName>,
 }
 
 // SAFETY: `state` is only accessed by the thread holding `lock` (the owner during an active scope
@@ -193,9 +192,8 @@ impl CacheCell {
         (config_seq, config): (ConfigSeq, CacheConfig),
     ) -> CacheCell {
         let owner = thread::token();
-        let trace_id = record::register_cell(name, owner);
+        let trace = Arc::new(record::CellName::new(name, owner));
         CacheCell {
-            name: name.into(),
             thread_name: thread_name.into(),
             owner,
             lock: CellLock::default(),
@@ -208,16 +206,16 @@ impl CacheCell {
                         0
                     },
             ),
-            state: UnsafeCell::new(CacheState::new(config, config_seq, trace_id)),
+            state: UnsafeCell::new(CacheState::new(config, config_seq, Arc::clone(&trace))),
             stats: Counters::default(),
             remote: RemoteSide::default(),
-            trace_id,
+            trace,
         }
     }
 
     /// The cache's name.
     pub(crate) fn name(&self) -> &str {
-        &self.name
+        self.trace.name()
     }
 
     /// The name of the owner thread.
@@ -227,7 +225,7 @@ impl CacheCell {
 
     /// The cache's number in recorded events.
     pub(crate) fn trace_id(&self) -> u32 {
-        self.trace_id
+        self.trace.id()
     }
 
     /// The number of the owner thread (its [`thread::ThreadToken`]).
@@ -525,7 +523,7 @@ impl CacheCell {
             st.allocated(state.slots[slot as usize].gauge, block.bytes());
             #[cfg(feature = "tracing")]
             events::queue(|| events::Event::Miss {
-                cache: self.trace_id,
+                cache: Arc::clone(self.trace.name()),
                 dtype: req.dtype,
                 dims: req.dims.into(),
                 device: req.device,

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::mem;
+use std::sync::Arc;
 
 use hashbrown::HashTable;
 
@@ -48,8 +49,8 @@ pub(super) struct CacheState {
     pub(super) config: CacheConfig,
     /// The `configure` call `config` came from.
     pub(super) config_seq: ConfigSeq,
-    /// The cache's number in recorded events.
-    pub(super) trace_id: u32,
+    /// The cache's name and number in recorded events.
+    pub(super) trace: Arc<record::CellName>,
     pub(super) generation: u32,
     keys: HashTable<Entry>,
     pub(super) slots: Vec<Slot>,
@@ -77,11 +78,15 @@ pub(super) struct CacheState {
 
 impl CacheState {
     /// An empty cache state with `config`.
-    pub(super) fn new(config: CacheConfig, config_seq: ConfigSeq, trace_id: u32) -> CacheState {
+    pub(super) fn new(
+        config: CacheConfig,
+        config_seq: ConfigSeq,
+        trace: Arc<record::CellName>,
+    ) -> CacheState {
         CacheState {
             config,
             config_seq,
-            trace_id,
+            trace,
             generation: 0,
             keys: HashTable::new(),
             slots: Vec::new(),
@@ -345,12 +350,12 @@ impl CacheState {
         self.generation = self.generation.wrapping_add(1);
         #[cfg(feature = "tracing")]
         super::events::queue(|| super::events::Event::Invalidated {
-            cache: self.trace_id,
+            cache: Arc::clone(self.trace.name()),
         });
         if record::on() {
             record::push(record::Note::about(
                 EventKind::Invalidate,
-                Some(self.trace_id),
+                Some(self.trace.id()),
             ));
         }
     }
@@ -384,7 +389,7 @@ impl CacheState {
                 add(&st.evictions, 1);
                 #[cfg(feature = "tracing")]
                 super::events::queue(|| super::events::Event::Evicted {
-                    cache: self.trace_id,
+                    cache: Arc::clone(self.trace.name()),
                     bytes: block.bytes(),
                     cap,
                 });

@@ -244,9 +244,44 @@ struct Cells {
 
 static CELLS: Mutex<Option<Cells>> = parking_lot::const_mutex(None);
 
-/// A number for a new cache of `name` owned by thread `owner`, for its events (called once per
-/// cache, when it is created).
-pub(crate) fn register_cell(name: &str, owner: u64) -> u32 {
+/// A cache as events name it: its name, its owner thread, and the number events carry, given
+/// when the cache first records (so that caches that never record, while recording is off,
+/// take no room in the table of cells; a cache made before recording started gets its number
+/// when it records).
+pub(crate) struct CellName {
+    name: Arc<str>,
+    owner: u64,
+    id: OnceLock<u32>,
+}
+
+impl CellName {
+    /// Cache `name` of thread `owner`, with no number yet.
+    pub(crate) fn new(name: &str, owner: u64) -> CellName {
+        CellName {
+            name: name.into(),
+            owner,
+            id: OnceLock::new(),
+        }
+    }
+
+    /// The cache's name.
+    pub(crate) fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The cache's number in events (given at the first call; takes a lock then).
+    #[inline]
+    pub(crate) fn id(&self) -> u32 {
+        *self
+            .id
+            .get_or_init(|| register_cell(&self.name, self.owner))
+    }
+}
+
+/// A number for cache `name` owned by thread `owner`, for its events (once per cache, when it
+/// first records).
+#[cold]
+fn register_cell(name: &str, owner: u64) -> u32 {
     let mut cells = CELLS.lock();
     let cells = cells.get_or_insert_with(Cells::default);
     let name_index = match cells.by_name.get(name) {
@@ -263,17 +298,10 @@ pub(crate) fn register_cell(name: &str, owner: u64) -> u32 {
     (cells.cells.len() - 1) as u32
 }
 
-/// The name of cache `id` (for `tracing` events; takes a lock).
-#[cfg(feature = "tracing")]
-pub(crate) fn cache_name(id: u32) -> Arc<str> {
-    let cells = CELLS.lock();
-    cells
-        .as_ref()
-        .and_then(|c| {
-            let &(name, _) = c.cells.get(id as usize)?;
-            Some(Arc::clone(&c.names[name as usize]))
-        })
-        .unwrap_or_else(|| "".into())
+/// How many caches have a number for events.
+#[cfg(test)]
+pub(crate) fn registered_cells() -> usize {
+    CELLS.lock().as_ref().map_or(0, |c| c.cells.len())
 }
 
 /// What a hook reports: an [`Event`] without its time and thread, naming its cache by number

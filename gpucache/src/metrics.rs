@@ -32,7 +32,10 @@ pub struct CacheStats {
     pub bytes_cached: usize,
     /// The most device memory this cache has held at once (`bytes_in_use + bytes_cached`).
     pub peak_bytes: usize,
-    /// Calls of [`invalidate`](crate::invalidate) on this cache.
+    /// Calls of [`invalidate`](crate::invalidate) that reached this cache, each counted once
+    /// (calls from other threads while the owner was inside a scope count when the scope exits,
+    /// all served by one invalidation). A change of [`KeyPolicy`](crate::KeyPolicy) through
+    /// [`configure`](crate::configure) empties the cache too but is no call, and is not counted.
     pub invalidations: u64,
     /// Free buffers given back because the cache was over its `max_cached_bytes`.
     pub evictions: u64,

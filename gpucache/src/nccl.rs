@@ -145,17 +145,25 @@ impl fmt::Debug for UniqueId {
 impl FromStr for UniqueId {
     type Err = Error;
 
-    /// Reads the 256 hexadecimal digits that `Display` writes.
+    /// Reads the 256 lowercase hexadecimal digits that `Display` writes, and nothing else (no
+    /// sign, no uppercase digit).
     fn from_str(s: &str) -> Result<UniqueId> {
         let invalid = || Error::InvalidUniqueId { len: s.len() };
         let digits = s.as_bytes();
         if digits.len() != 256 {
             return Err(invalid());
         }
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
         let mut bytes = [0u8; 128];
         for (byte, pair) in bytes.iter_mut().zip(digits.chunks_exact(2)) {
-            let pair = std::str::from_utf8(pair).map_err(|_| invalid())?;
-            *byte = u8::from_str_radix(pair, 16).map_err(|_| invalid())?;
+            let (Some(hi), Some(lo)) = (digit(pair[0]), digit(pair[1])) else {
+                return Err(invalid());
+            };
+            *byte = hi << 4 | lo;
         }
         Ok(UniqueId::from_bytes(bytes))
     }
@@ -512,5 +520,25 @@ pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
 impl From<NcclError> for Error {
     fn from(e: NcclError) -> Error {
         Error::Nccl(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_id_text_is_exactly_what_display_writes() {
+        let id = UniqueId::from_bytes(std::array::from_fn(|i| (i * 37) as u8));
+        let text = id.to_string();
+        assert_eq!(text.parse::<UniqueId>().unwrap().to_bytes(), id.to_bytes());
+        // What `Display` never writes: uppercase digits, a sign.
+        let upper = text.to_uppercase();
+        assert_ne!(upper, text);
+        assert!(upper.parse::<UniqueId>().is_err());
+        let signed = format!("+{}", &text[1..]);
+        assert!(signed.parse::<UniqueId>().is_err());
+        let signed = format!("{}+{}", &text[..10], &text[11..]);
+        assert!(signed.parse::<UniqueId>().is_err());
     }
 }

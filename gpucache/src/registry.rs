@@ -12,12 +12,12 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
 use thread_local::ThreadLocal;
 
 use crate::backend;
-use crate::cache::CacheCell;
+use crate::cache::{CacheCell, ConfigSeq};
 use crate::metrics::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
 use crate::trace::record;
 use crate::{CacheConfig, Device, DeviceStats, Result};
@@ -28,68 +28,168 @@ struct ThreadEntry {
     cells: Mutex<Vec<Arc<CacheCell>>>,
 }
 
-static THREADS: ThreadLocal<ThreadEntry> = ThreadLocal::new();
+/// Each thread's entry. The thread keeps its own `Arc` (in [`Local`]) rather than the reference
+/// `get_or` returns, which is derived from a `&mut` inside the `ThreadLocal` that other threads
+/// iterate over meanwhile (an aliasing Miri reports); the reference is used only to clone.
+static THREADS: ThreadLocal<Arc<ThreadEntry>> = ThreadLocal::new();
 
-/// The options [`configure`] set, by name, for caches created later.
-static CONFIGS: Mutex<Vec<(Box<str>, CacheConfig)>> = parking_lot::const_mutex(Vec::new());
+/// The options [`configure`] set, by name, for caches created later, with the number of the
+/// call that set them.
+#[derive(Default)]
+struct Configs {
+    by_name: Vec<(Box<str>, ConfigSeq, CacheConfig)>,
+    /// The number of the latest call (see [`ConfigSeq`]).
+    seq: ConfigSeq,
+}
 
-/// The options `configure` set for `name` (the default if none).
-fn lookup(configs: &[(Box<str>, CacheConfig)], name: &str) -> CacheConfig {
+static CONFIGS: Mutex<Configs> = parking_lot::const_mutex(Configs {
+    by_name: Vec::new(),
+    seq: 0,
+});
+
+/// The options `configure` set for `name` and the call's number (the default and 0 if none).
+fn lookup(configs: &Configs, name: &str) -> (ConfigSeq, CacheConfig) {
     configs
+        .by_name
         .iter()
-        .find(|(n, _)| &**n == name)
-        .map(|&(_, c)| c)
+        .find(|(n, ..)| &**n == name)
+        .map(|&(_, seq, c)| (seq, c))
         .unwrap_or_default()
 }
 
-/// The caches of threads that have exited: the latest [`EXITED_ROWS`] kept as they are, so
-/// that their rows count what happens after the exit (arrays still alive elsewhere that drop
-/// later free their buffers then), older ones summed per cache name once no array of theirs is
-/// alive, so memory stays bounded by the number of names and of caches with live arrays.
+/// A cache whose thread has exited; its names are shared with the other rows (see
+/// [`Exited::names`]).
+struct ExitedRow {
+    thread: Arc<str>,
+    thread_number: u64,
+    cache: Arc<str>,
+    counters: Counted,
+}
+
+/// The counters of an exited thread's cache.
+enum Counted {
+    /// Arrays of it were alive elsewhere when it was last looked at: its counters still change
+    /// (each drop counts a free), so the row reads the cache itself.
+    Live(Arc<CacheCell>),
+    /// None is: the counters are final.
+    Final(CacheStats),
+}
+
+impl ExitedRow {
+    fn stats(&self) -> CacheStats {
+        match &self.counters {
+            Counted::Live(cell) => cell.snapshot(),
+            Counted::Final(stats) => *stats,
+        }
+    }
+
+    /// Whether the counters can no longer change (settling a live one that has become so).
+    fn settle(&mut self) -> bool {
+        if let Counted::Live(cell) = &self.counters
+            && !cell.has_orphans()
+        {
+            self.counters = Counted::Final(cell.snapshot());
+        }
+        matches!(self.counters, Counted::Final(_))
+    }
+}
+
+/// The caches of threads that have exited: the latest [`EXITED_ROWS`] one by one (more while
+/// arrays of the older ones are still alive elsewhere), older ones summed per cache name once
+/// their counters are final, so memory stays bounded by the number of names and of caches with
+/// live arrays.
 #[derive(Default)]
 struct Exited {
-    recent: VecDeque<Arc<CacheCell>>,
-    older: Vec<SnapshotRow>,
+    recent: VecDeque<ExitedRow>,
+    /// Per cache name, the sum of its rows that left `recent` (found by hash: a thread's exit
+    /// costs the same however many names there are).
+    older: HashMap<Arc<str>, CacheStats>,
+    /// The names the rows hold, one copy each (a name no row holds any more is let go), so
+    /// that threads sharing a long name keep it once.
+    names: HashSet<Arc<str>>,
 }
 
 /// How many caches of exited threads [`snapshot`] keeps one by one.
 const EXITED_ROWS: usize = 256;
 
-static EXITED: Mutex<Exited> = parking_lot::const_mutex(Exited {
-    recent: VecDeque::new(),
-    older: Vec::new(),
-});
+static EXITED: Mutex<Option<Exited>> = parking_lot::const_mutex(None);
 
 impl Exited {
+    /// The shared copy of `name`.
+    fn intern(&mut self, name: &str) -> Arc<str> {
+        if let Some(name) = self.names.get(name) {
+            return Arc::clone(name);
+        }
+        let name: Arc<str> = name.into();
+        self.names.insert(Arc::clone(&name));
+        name
+    }
+
+    /// Keeps `cell`, whose thread has just exited (and closed it).
     fn record(&mut self, cell: Arc<CacheCell>) {
-        self.recent.push_back(cell);
+        let mut row = ExitedRow {
+            thread: self.intern(cell.thread_name()),
+            thread_number: cell.thread_number(),
+            cache: self.intern(cell.name()),
+            counters: Counted::Live(cell),
+        };
+        row.settle();
+        self.push(row);
+    }
+
+    fn push(&mut self, row: ExitedRow) {
+        self.recent.push_back(row);
         while self.recent.len() > EXITED_ROWS {
-            // The oldest whose arrays have all dropped: its row is final.
-            let Some(i) = self.recent.iter().position(|c| !c.has_orphans()) else {
+            // The oldest whose counters are final.
+            let Some(i) = self.recent.iter_mut().position(ExitedRow::settle) else {
                 return;
             };
             let Some(old) = self.recent.remove(i) else {
                 return;
             };
-            let old = row(&old, true);
-            match self.older.iter_mut().find(|r| r.cache == old.cache) {
-                Some(sum) => sum.stats = sum.stats.plus(&old.stats),
-                None => self.older.push(SnapshotRow {
-                    thread: "(earlier threads)".into(),
-                    thread_number: 0,
-                    ..old
-                }),
+            let sum = self.older.entry(Arc::clone(&old.cache)).or_default();
+            *sum = sum.plus(&old.stats());
+            // Its thread's name, if no other row holds it (the cache's stays, in `older`).
+            if Arc::strong_count(&old.thread) == 2 {
+                self.names.remove(&old.thread);
             }
         }
     }
+
+    /// The caches whose arrays were still alive elsewhere when last looked at.
+    fn live(&self) -> impl Iterator<Item = &Arc<CacheCell>> + '_ {
+        self.recent.iter().filter_map(|r| match &r.counters {
+            Counted::Live(cell) => Some(cell),
+            Counted::Final(_) => None,
+        })
+    }
+
+    /// The rows, as [`snapshot`] shows them.
+    fn rows(&self) -> impl Iterator<Item = SnapshotRow> + '_ {
+        let older = self.older.iter().map(|(cache, stats)| SnapshotRow {
+            thread: "(earlier threads)".into(),
+            thread_number: 0,
+            exited: true,
+            cache: cache.to_string(),
+            stats: *stats,
+        });
+        let recent = self.recent.iter().map(|r| SnapshotRow {
+            thread: r.thread.to_string(),
+            thread_number: r.thread_number,
+            exited: true,
+            cache: r.cache.to_string(),
+            stats: r.stats(),
+        });
+        older.chain(recent)
+    }
 }
 
-/// A row for `cell`.
-fn row(cell: &CacheCell, exited: bool) -> SnapshotRow {
+/// The row of `cell`, a live thread's cache.
+fn row(cell: &CacheCell) -> SnapshotRow {
     SnapshotRow {
         thread: cell.thread_name().to_owned(),
         thread_number: cell.thread_number(),
-        exited,
+        exited: false,
         cache: cell.name().to_owned(),
         stats: cell.snapshot(),
     }
@@ -98,7 +198,7 @@ fn row(cell: &CacheCell, exited: bool) -> SnapshotRow {
 /// A thread's caches, as the thread itself sees them.
 struct Local {
     caches: RefCell<HashMap<Box<str>, Arc<CacheCell>>>,
-    entry: &'static ThreadEntry,
+    entry: Arc<ThreadEntry>,
     thread_name: String,
 }
 
@@ -106,7 +206,7 @@ impl Local {
     fn new() -> Local {
         Local {
             caches: RefCell::default(),
-            entry: THREADS.get_or_default(),
+            entry: Arc::clone(THREADS.get_or_default()),
             thread_name: crate::thread::name(),
         }
     }
@@ -120,7 +220,10 @@ impl Drop for Local {
         self.entry.cells.lock().clear();
         for (_, cell) in self.caches.get_mut().drain() {
             cell.close();
-            EXITED.lock().record(cell);
+            EXITED
+                .lock()
+                .get_or_insert_with(Exited::default)
+                .record(cell);
         }
     }
 }
@@ -215,7 +318,7 @@ fn for_name(name: &str, own: impl Fn(&CacheCell), other: impl Fn(&CacheCell)) {
 pub fn invalidate(name: &str) {
     for_name(name, CacheCell::invalidate, |cell| {
         cell.free_returned(None);
-        cell.request(|r| r.invalidate = true);
+        cell.request(|r| r.invalidate += 1);
     });
 }
 
@@ -234,23 +337,30 @@ pub fn empty_cache() {
 
 /// Sets the options of cache `name` on every thread: the caches of that name that exist (the
 /// calling thread's at once; another thread's at once when it is not inside a scope of it, else
-/// when that scope exits) and those created later. Unknown names are fine.
+/// when that scope exits) and those created later. Unknown names are fine. When calls race or
+/// one waits for a scope's exit, the last call (the last to reach the registry) wins on every
+/// cache: a cache never applies a call older than the one it has.
 ///
 /// Changing [`CacheConfig::key`] invalidates the cache (see [`invalidate`]); lowering
 /// [`CacheConfig::max_cached_bytes`] evicts at once.
 pub fn configure(name: &str, config: CacheConfig) {
-    {
+    // Numbered under the lock: the call that takes it last wins on every cache, whichever
+    // order the caches apply the calls in.
+    let seq = {
         let mut configs = CONFIGS.lock();
-        match configs.iter_mut().find(|(n, _)| &**n == name) {
-            Some((_, c)) => *c = config,
-            None => configs.push((name.into(), config)),
+        configs.seq += 1;
+        let seq = configs.seq;
+        match configs.by_name.iter_mut().find(|(n, ..)| &**n == name) {
+            Some((_, s, c)) => (*s, *c) = (seq, config),
+            None => configs.by_name.push((name.into(), seq, config)),
         }
-    }
+        seq
+    };
     for_name(
         name,
-        |cell| cell.configure(config),
+        |cell| cell.configure(seq, config),
         |cell| {
-            cell.request(|r| r.config = Some(config));
+            cell.request(|r| r.configure(seq, config));
         },
     );
 }
@@ -300,7 +410,12 @@ pub fn reset_peak(name: &str) {
 /// ```
 pub fn snapshot() -> Snapshot {
     let cells = all_cells();
-    let exited: Vec<Arc<CacheCell>> = EXITED.lock().recent.iter().cloned().collect();
+    let exited: Vec<Arc<CacheCell>> = EXITED
+        .lock()
+        .iter()
+        .flat_map(Exited::live)
+        .cloned()
+        .collect();
     let mut devices: Vec<DeviceUsage> = Vec::new();
     // Arrays of exited threads' caches still alive elsewhere count on their device too.
     for (device, bytes) in cells.iter().chain(&exited).flat_map(|c| c.device_bytes()) {
@@ -317,13 +432,15 @@ pub fn snapshot() -> Snapshot {
         usage.bytes_in_use += bytes.held.saturating_sub(bytes.cached);
         usage.bytes_cached += bytes.cached;
     }
-    let mut rows: Vec<SnapshotRow> = cells.iter().map(|c| row(c, false)).collect();
+    let mut rows: Vec<SnapshotRow> = cells.iter().map(|c| row(c)).collect();
     let key = |r: &SnapshotRow| (r.thread.clone(), r.thread_number, r.cache.clone());
     rows.sort_by_key(key);
-    let mut gone: Vec<SnapshotRow> = EXITED.lock().older.clone();
-    gone.extend(exited.iter().map(|c| row(c, true)));
-    gone.sort_by_key(key);
-    rows.extend(gone);
+    {
+        let exited = EXITED.lock();
+        let mut gone: Vec<SnapshotRow> = exited.iter().flat_map(Exited::rows).collect();
+        gone.sort_by_key(key);
+        rows.extend(gone);
+    }
     Snapshot { rows, devices }
 }
 
@@ -367,7 +484,7 @@ pub(crate) fn give_back_unowned(device: Option<Device>, pending: bool) {
         if cell.is_owned_here() {
             cell.give_back_owned(device, pending);
         } else {
-            cell.request(|r| r.flush.push(device));
+            cell.request(|r| r.flush(device));
         }
     }
 }
@@ -400,5 +517,112 @@ pub(crate) fn set_traced(on: bool) {
         if on {
             cell.note_all_bytes();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::channel;
+
+    fn exited_row(exited: &mut Exited, thread: &str, number: u64, cache: &str) -> ExitedRow {
+        ExitedRow {
+            thread: exited.intern(thread),
+            thread_number: number,
+            cache: exited.intern(cache),
+            counters: Counted::Final(CacheStats {
+                misses: 1,
+                ..CacheStats::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn caches_that_never_record_take_no_number_for_events() {
+        let before = record::registered_cells();
+        for _ in 0..100 {
+            std::thread::spawn(|| {
+                let cell = create_cell("registry-unrecorded").unwrap();
+                cell.enter();
+                cell.exit();
+            })
+            .join()
+            .unwrap();
+        }
+        // (Other tests of this binary may record meanwhile, but not 100 caches.)
+        let grown = record::registered_cells() - before;
+        assert!(
+            grown < 100,
+            "{grown} numbers for caches that never recorded"
+        );
+    }
+
+    #[test]
+    fn exited_rows_are_summed_by_name_in_a_map() {
+        let mut exited = Exited::default();
+        let names = 2000;
+        for i in 0..(EXITED_ROWS + 2 * names) as u64 {
+            let row = exited_row(&mut exited, "t", i, &format!("cache-{}", i % names as u64));
+            exited.push(row);
+        }
+        // Every name once, with the sum of its rows (two each, but the latest 256 rows).
+        assert_eq!(exited.older.len(), names);
+        let summed: u64 = exited.older.values().map(|s| s.misses).sum();
+        assert_eq!(summed, 2 * names as u64);
+        assert_eq!(exited.rows().count(), names + EXITED_ROWS);
+    }
+
+    #[test]
+    fn exited_rows_keep_one_copy_of_a_long_name() {
+        let mut exited = Exited::default();
+        let long = "x".repeat(1 << 16);
+        for i in 0..300 {
+            let row = exited_row(&mut exited, &long, i, &long);
+            exited.push(row);
+        }
+        assert_eq!(exited.names.len(), 1);
+        assert!(
+            exited
+                .recent
+                .iter()
+                .all(|r| Arc::ptr_eq(&r.thread, &r.cache))
+        );
+        // A thread name no row holds is let go.
+        for i in 0..EXITED_ROWS as u64 {
+            let row = exited_row(&mut exited, "short", i, "c");
+            exited.push(row);
+        }
+        assert!(
+            exited
+                .names
+                .iter()
+                .all(|n| n.len() < 1 << 16 || exited.older.contains_key(n))
+        );
+    }
+
+    #[test]
+    fn flush_requests_behind_a_long_scope_stay_few() {
+        let (cell_tx, cell_rx) = channel();
+        let (done_tx, done_rx) = channel::<()>();
+        let owner = std::thread::spawn(move || {
+            let cell = create_cell("registry-flush-requests").unwrap();
+            cell.enter();
+            cell_tx.send(Arc::clone(&cell)).unwrap();
+            let _ = done_rx.recv();
+            cell.exit();
+        });
+        let cell = cell_rx.recv().unwrap();
+        for _ in 0..100 {
+            give_back_unowned(Some(Device::Cpu), false);
+        }
+        assert_eq!(cell.queued_flushes(), 1, "one device, flushed once");
+        for _ in 0..100 {
+            give_back_unowned(None, false);
+            give_back_unowned(Some(Device::Cpu), false);
+        }
+        assert_eq!(cell.queued_flushes(), 1, "every device subsumes the rest");
+        done_tx.send(()).unwrap();
+        owner.join().unwrap();
+        assert_eq!(cell.queued_flushes(), 0);
     }
 }

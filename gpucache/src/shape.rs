@@ -9,9 +9,10 @@ use crate::{DType, Error, Result};
 /// The dimensions of an n-d array.
 ///
 /// Up to four dimensions are stored inline (no heap allocation). A shape of rank 0 is a scalar
-/// holding one element; a shape with a zero dimension holds none. Products are checked: a shape
-/// whose size overflows is reported as [`Error::ShapeOverflow`] when an array is made from it,
-/// never a panic.
+/// holding one element; a shape with a zero dimension holds none, whatever its other dimensions
+/// (`[usize::MAX, 2, 0]` is empty, as `[0, usize::MAX, 2]` is). Products are checked: a shape
+/// whose size overflows (with no zero dimension) is reported as [`Error::ShapeOverflow`] when an
+/// array is made from it, never a panic.
 ///
 /// ```
 /// use gpucache::Shape;
@@ -55,7 +56,7 @@ impl Shape {
     ///
     /// # Errors
     /// [`Error::ShapeOverflow`] (with no element type) when the product does not fit in
-    /// `usize`.
+    /// `usize` (never for a shape with a zero dimension: it has no elements).
     pub fn numel(&self) -> Result<usize> {
         self.checked_numel().ok_or_else(|| self.overflow(None))
     }
@@ -73,11 +74,14 @@ impl Shape {
             .ok_or_else(|| self.overflow(Some(dtype)))
     }
 
+    /// The product of the dimensions, or `None` when it overflows; 0 whenever a dimension is,
+    /// whatever the order (the zero is looked for only after an overflow).
     #[inline]
     fn checked_numel(&self) -> Option<usize> {
         self.dims
             .iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .or_else(|| self.dims.contains(&0).then_some(0))
     }
 
     fn overflow(&self, dtype: Option<DType>) -> Error {
@@ -190,6 +194,16 @@ mod tests {
             Shape::from([usize::MAX, 2]).numel(),
             Err(Error::ShapeOverflow { dtype: None, .. })
         ));
+    }
+
+    #[test]
+    fn a_zero_dimension_makes_a_shape_empty_whatever_the_order() {
+        for dims in [[usize::MAX, 2, 0], [0, usize::MAX, 2], [usize::MAX, 0, 2]] {
+            let s = Shape::from(dims);
+            assert_eq!(s.numel().unwrap(), 0, "{s}");
+            assert_eq!(s.byte_len(DType::F64).unwrap(), 0, "{s}");
+        }
+        assert!(Shape::from([usize::MAX, 2, 1]).numel().is_err());
     }
 
     #[test]

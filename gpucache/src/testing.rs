@@ -115,15 +115,25 @@ impl CountingBackend {
         self.allocs() - self.frees()
     }
 
+    /// Whether attempt `attempt` fails by the plan; else reserves `bytes` in
+    /// `outstanding_bytes`, checked against the limit and added in one atomic step, so that
+    /// threads allocating at once cannot pass the limit together.
     fn should_fail(&self, attempt: u64, bytes: usize) -> bool {
-        let mut plan = self.plan.lock();
-        let before = plan.at.len();
-        plan.at.retain(|&a| a != attempt);
-        plan.at.len() != before
-            || (plan.every != 0 && attempt.is_multiple_of(plan.every))
-            || plan
-                .limit
-                .is_some_and(|l| self.outstanding_bytes().saturating_add(bytes) > l)
+        let limit = {
+            let mut plan = self.plan.lock();
+            let before = plan.at.len();
+            plan.at.retain(|&a| a != attempt);
+            if plan.at.len() != before || (plan.every != 0 && attempt.is_multiple_of(plan.every)) {
+                return true;
+            }
+            plan.limit
+        };
+        self.outstanding_bytes
+            .fetch_update(SeqCst, SeqCst, |out| {
+                let after = out.checked_add(bytes)?;
+                limit.is_none_or(|l| after <= l).then_some(after)
+            })
+            .is_err()
     }
 }
 
@@ -146,9 +156,11 @@ impl Backend for CountingBackend {
             self.failures.fetch_add(1, SeqCst);
             return Err(AllocError::OutOfMemory);
         }
-        let storage = self.host.alloc(device, bytes, zeroed)?;
+        // The bytes are reserved (see `should_fail`): given back if the host fails.
+        let storage = self.host.alloc(device, bytes, zeroed).inspect_err(|_| {
+            self.outstanding_bytes.fetch_sub(bytes, SeqCst);
+        })?;
         self.allocs.fetch_add(1, SeqCst);
-        self.outstanding_bytes.fetch_add(bytes, SeqCst);
         Ok(storage)
     }
 
@@ -201,5 +213,33 @@ impl Drop for BackendGuard {
     fn drop(&mut self) {
         crate::registry::give_back_own(Some(Device::Cpu));
         backend::remove_cpu_override(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_byte_limit_holds_under_threads() {
+        let backend = CountingBackend::new();
+        backend.set_limit(Some(1000));
+        let over = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..20_000 {
+                        if let Ok(storage) = backend.alloc(Device::Cpu, 1000, false) {
+                            if backend.outstanding_bytes() > 1000 {
+                                over.fetch_add(1, SeqCst);
+                            }
+                            backend.free(Device::Cpu, storage);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(over.load(SeqCst), 0, "allocations past the limit");
+        assert_eq!(backend.outstanding_bytes(), 0);
     }
 }

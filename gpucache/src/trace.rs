@@ -40,7 +40,9 @@
 //! CUDA the stream; events that change what a cache holds carry the cache's bytes in use and
 //! cached on the device afterwards, from which the counter tracks are drawn. Each thread writes
 //! into a buffer of its own (no lock, not even on a hit), of at most
-//! [`MAX_EVENTS_PER_THREAD`] events (`GPUCACHE_TRACE_MAX_EVENTS` changes it); events past that
+//! [`MAX_EVENTS_PER_THREAD`] events (`GPUCACHE_TRACE_MAX_EVENTS` changes it, up to 2^28; a
+//! larger or unreadable value is warned about in one line on standard error, and 2^28 or the
+//! default used; chunks of the buffer are allocated as events fill them); events past that
 //! are counted in [`Trace::dropped`], not kept. While recording is off, the hit path and drops
 //! pay nothing (the test of a cache's flags they make anyway sends a recorded cache to the slow
 //! path) and a scope's entry and exit one test each. While it is on, each event is a write into
@@ -147,14 +149,36 @@ fn start_file(path: &Path) -> Result<()> {
 }
 
 fn begin(path: Option<PathBuf>) -> Result<()> {
-    let max_events = std::env::var("GPUCACHE_TRACE_MAX_EVENTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(MAX_EVENTS_PER_THREAD);
-    record::begin(path, max_events)?;
+    record::begin(path, max_events())?;
     // The caches record from now on, starting with the bytes each holds.
     crate::registry::set_traced(true);
     Ok(())
+}
+
+/// The bound of a thread's buffer: `GPUCACHE_TRACE_MAX_EVENTS` if set and within
+/// [`record::MAX_EVENTS_BOUND`]; the bound for a larger number, the default for an unreadable
+/// value (each with a one-line warning on standard error, once per process).
+fn max_events() -> usize {
+    static WARNED: Once = Once::new();
+    let var = "GPUCACHE_TRACE_MAX_EVENTS";
+    let Some(value) = std::env::var_os(var) else {
+        return MAX_EVENTS_PER_THREAD;
+    };
+    let (max, why) = match value.to_str().map(|v| v.trim().parse::<u128>()) {
+        Some(Ok(n)) if n <= record::MAX_EVENTS_BOUND as u128 => return n as usize,
+        Some(Ok(_)) => (
+            record::MAX_EVENTS_BOUND,
+            "more than the bound; using the bound of",
+        ),
+        _ => (MAX_EVENTS_PER_THREAD, "not a number; using the default of"),
+    };
+    WARNED.call_once(|| {
+        eprintln!(
+            "gpucache: {var}={}: {why} {max} events per thread",
+            value.to_string_lossy()
+        );
+    });
+    max
 }
 
 /// Stops recording and returns the events (`None` when nothing was being recorded). A recording

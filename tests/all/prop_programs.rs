@@ -792,7 +792,6 @@ impl CacheModel {
         self.pending.clear();
         self.release_arena(true, true);
         self.generation += 1;
-        self.counted.invalidations += 1;
     }
 
     fn exit(&mut self) {
@@ -897,6 +896,8 @@ impl World {
                 if let Some(cache) = &mut self.caches[name as usize] {
                     cache.take_in(false);
                     cache.invalidate();
+                    // Calls count; a change of key policy (below) does not.
+                    cache.counted.invalidations += 1;
                 }
             }
             Op::Configure(name, reuse, key, max_cached_bytes) => {

@@ -535,3 +535,60 @@ fn arrays_outliving_their_thread_are_counted_when_they_drop() {
         );
     }
 }
+
+#[test]
+fn the_last_configure_wins_on_the_owner_as_on_later_threads() {
+    let _serial = serial();
+    let name = "cfg-last-wins";
+    let fill = || {
+        let _step = enter(name);
+        drop(Array::<u8>::zeros(Device::Cpu, 4096).unwrap());
+    };
+    {
+        let _scope = enter(name);
+        // Another thread asks for cap 0 while the owner is busy: a request for its exit.
+        thread::spawn(|| configure(name, |c| c.max_cached_bytes = Some(0)))
+            .join()
+            .unwrap();
+        // Then the owner itself asks for no cap, which applies at once.
+        configure(name, |c| c.max_cached_bytes = None);
+    }
+    fill();
+    let own = stats(name);
+    let later = thread::spawn(move || {
+        fill();
+        stats(name)
+    })
+    .join()
+    .unwrap();
+    gpucache::invalidate(name);
+    gpucache::configure(name, CacheConfig::default());
+    assert_eq!(later.bytes_cached, 4096, "a later thread: {later}");
+    assert_eq!(
+        own.bytes_cached, 4096,
+        "the owner, as the last call asked: {own}"
+    );
+}
+
+#[test]
+fn invalidations_count_the_calls_that_reached_the_cache() {
+    let _serial = serial();
+    let name = "inval-count";
+    {
+        let _scope = enter(name);
+        drop(Array::<u8>::zeros(Device::Cpu, 64).unwrap());
+        // Three calls while the owner is busy: served together at its exit, counted each.
+        for _ in 0..3 {
+            thread::spawn(move || gpucache::invalidate(name))
+                .join()
+                .unwrap();
+        }
+    }
+    assert_eq!(stats(name).invalidations, 3);
+    gpucache::invalidate(name);
+    assert_eq!(stats(name).invalidations, 4);
+    // A change of key policy empties the cache, but is no call of `invalidate`.
+    configure(name, |c| c.key = KeyPolicy::SizeClass);
+    assert_eq!(stats(name).invalidations, 4);
+    gpucache::configure(name, CacheConfig::default());
+}

@@ -402,6 +402,17 @@ fn child(env: &[(&str, &str)]) -> String {
 #[ignore = "run by the other tests of this module in a child process"]
 fn child_process() {
     assert!(std::env::var_os("GPUCACHE_TRACE_CHILD").is_some());
+    if std::env::var_os("GPUCACHE_TRACE_MAX_EVENTS").is_some_and(|v| v != "16") {
+        // Out of range or unreadable: bounded (or the default), and recording works.
+        let t = record(|| {
+            for _ in 0..10 {
+                let _scope = enter("trace-huge");
+                drop(Array::<u8>::zeros(Device::Cpu, 8).unwrap());
+            }
+        });
+        assert_eq!((t.events().len(), t.dropped()), (50, 0));
+        return;
+    }
     if std::env::var_os("GPUCACHE_TRACE_MAX_EVENTS").is_some() {
         let t = record(|| {
             for _ in 0..10 {
@@ -459,6 +470,21 @@ fn a_bad_gpucache_trace_path_warns_in_one_line_and_the_program_goes_on() {
 fn a_full_buffer_drops_events_and_counts_them() {
     let _serial = serial();
     child(&[("GPUCACHE_TRACE_MAX_EVENTS", "16")]);
+}
+
+#[test]
+fn a_huge_or_unreadable_buffer_bound_warns_in_one_line_and_recording_works() {
+    let _serial = serial();
+    for value in [&*usize::MAX.to_string(), "268435457", "lots"] {
+        let stderr = child(&[("GPUCACHE_TRACE_MAX_EVENTS", value)]);
+        let warnings: Vec<_> = stderr.lines().filter(|l| l.contains("gpucache:")).collect();
+        assert_eq!(warnings.len(), 1, "{value}: {stderr}");
+        assert!(
+            warnings[0].starts_with("gpucache: GPUCACHE_TRACE_MAX_EVENTS="),
+            "{}",
+            warnings[0]
+        );
+    }
 }
 
 #[test]

@@ -99,3 +99,79 @@ fn misses_evictions_invalidations_and_out_of_memory_are_tracing_events_hits_are_
         "{seen:?}"
     );
 }
+
+/// A subscriber that reads the caches from inside its event handler.
+struct Reentrant(&'static str, Seen);
+
+impl Subscriber for Reentrant {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        // Both read the cache whose event this is.
+        let _ = gpucache::stats(self.0);
+        let _ = gpucache::summary();
+        let level = *event.metadata().level();
+        self.1
+            .lock()
+            .unwrap()
+            .push((level, fields.message, fields.cache));
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+#[test]
+fn a_subscriber_may_read_the_caches_from_its_event_handler() {
+    let _serial = serial();
+    let name = "tracing-reentrant";
+    configure(name, |c| c.reuse = Reuse::Immediate);
+    let (done, finished) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let seen = Seen::default();
+        tracing::subscriber::with_default(Reentrant(name, Arc::clone(&seen)), || {
+            {
+                // Inside a scope: a miss, an eviction (a drop past the cap), an invalidation.
+                let _scope = enter(name);
+                configure(name, |c| {
+                    c.reuse = Reuse::Immediate;
+                    c.max_cached_bytes = Some(1000);
+                });
+                drop(Array::<u8>::zeros(Device::Cpu, 600).unwrap());
+                drop(Array::<u8>::zeros(Device::Cpu, 700).unwrap());
+                gpucache::invalidate(name);
+            }
+            // Outside one: an eviction (a lower cap) and an invalidation.
+            {
+                let _scope = enter(name);
+                drop(Array::<u8>::zeros(Device::Cpu, 600).unwrap());
+            }
+            configure(name, |c| {
+                c.reuse = Reuse::Immediate;
+                c.max_cached_bytes = Some(100);
+            });
+            {
+                let _scope = enter(name);
+                drop(Array::<u8>::zeros(Device::Cpu, 60).unwrap());
+            }
+            gpucache::invalidate(name);
+        });
+        let _ = done.send(());
+        seen.lock().unwrap().clone()
+    });
+    finished
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("a subscriber reading the caches deadlocked");
+    let seen = worker.join().unwrap();
+    let of = |text: &str| seen.iter().filter(|(_, m, _)| m.contains(text)).count();
+    assert_eq!(of("cache miss"), 4, "{seen:?}");
+    assert_eq!(of("evicted"), 2, "{seen:?}");
+    assert_eq!(of("invalidated"), 2, "{seen:?}");
+}

@@ -455,11 +455,15 @@ impl CudaBuf {
     }
 
     /// Whether the work recorded on other streams has completed (no events: at once).
+    ///
+    /// A failed query counts as not complete: a driver error must not let the buffer be handed
+    /// out while the device may still use it. Such a buffer stays on its cache's deferred list
+    /// (polled again at misses and scope exits, counted as waiting) until it is freed, which
+    /// (`cuMemFreeAsync`, ordered after its events) is safe whatever the events' state.
     pub(crate) fn is_idle(&self) -> bool {
-        // A failed query means a broken context; nothing will complete any more.
         self.events
             .iter()
-            .all(|e| e.try_is_complete().unwrap_or(true))
+            .all(|e| e.try_is_complete().unwrap_or(false))
     }
 
     /// Hands the buffer to a new owner on this thread's current stream for its device.

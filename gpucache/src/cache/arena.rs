@@ -48,7 +48,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::Ordering::*;
 
 use super::counters::{Counters, GaugeIx, add, sub};
-use super::state::CacheState;
+use super::state::{CacheState, ConfigSeq};
 use super::{ARENA, CacheCell, Got, Home, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, KeyPolicy};
@@ -373,7 +373,7 @@ impl CacheState {
             device: Some(device),
             stream: backend::current_stream_id(device),
             bytes_after: gauge.map(|g| super::traced::gauge_bytes(st, g)),
-            ..Note::about(kind, Some(self.trace_id))
+            ..Note::about(kind, Some(self.trace.id()))
         });
     }
 }
@@ -452,7 +452,17 @@ impl DeviceArena {
 impl CacheCell {
     /// Applies `config` (lock holder): the arena flag follows the key policy, and stays set
     /// while arrays of an arena may be alive.
-    pub(super) fn configure_locked(&self, state: &mut CacheState, config: CacheConfig) {
+    /// Applies the options of `configure` call `seq`, unless the cache applied a later call's.
+    pub(super) fn configure_locked(
+        &self,
+        state: &mut CacheState,
+        seq: ConfigSeq,
+        config: CacheConfig,
+    ) {
+        if seq < state.config_seq {
+            return;
+        }
+        state.config_seq = seq;
         state.configure(&self.stats, config);
         state.evict_spares(&self.stats, config.max_cached_bytes);
         self.sync_arena_flag(state);

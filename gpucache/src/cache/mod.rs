@@ -41,6 +41,8 @@
 
 mod arena;
 pub(crate) mod counters;
+#[cfg(feature = "tracing")]
+mod events;
 mod key;
 mod lock;
 mod remote;
@@ -66,6 +68,7 @@ use lock::{CellLock, REQUESTED};
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, send_home_remote};
 use state::CacheState;
+pub(crate) use state::ConfigSeq;
 
 /// [`CacheCell::flags`]: the owner thread has exited.
 const CLOSED: u8 = 1;
@@ -136,7 +139,6 @@ pub(crate) enum Got {
 
 /// One named cache of one thread.
 pub(crate) struct CacheCell {
-    name: Box<str>,
     thread_name: Box<str>,
     owner: thread::ThreadToken,
     /// The lock, and the hints other threads leave for its holder (see [`lock`]).
@@ -152,8 +154,8 @@ pub(crate) struct CacheCell {
     state: UnsafeCell<CacheState>,
     stats: Counters,
     remote: RemoteSide,
-    /// The cache's number in recorded events.
-    trace_id: u32,
+    /// The cache's name and number in recorded events.
+    trace: Arc<record::CellName>,
 }
 
 // SAFETY: `state` is only accessed by the thread holding `lock` (the owner during an active scope
@@ -176,16 +178,22 @@ impl Drop for LockGuard<'_> {
     fn drop(&mut self) {
         // SAFETY: a `LockGuard` is only made after taking the lock, which it still holds.
         unsafe { self.0.unlock() };
+        // The lock is given up and the state no longer borrowed.
+        #[cfg(feature = "tracing")]
+        events::emit();
     }
 }
 
 impl CacheCell {
     /// A new, empty cache with `config`, owned by the calling thread.
-    pub(crate) fn new(name: &str, thread_name: &str, config: CacheConfig) -> CacheCell {
+    pub(crate) fn new(
+        name: &str,
+        thread_name: &str,
+        (config_seq, config): (ConfigSeq, CacheConfig),
+    ) -> CacheCell {
         let owner = thread::token();
-        let trace_id = record::register_cell(name, owner);
+        let trace = Arc::new(record::CellName::new(name, owner));
         CacheCell {
-            name: name.into(),
             thread_name: thread_name.into(),
             owner,
             lock: CellLock::default(),
@@ -198,16 +206,16 @@ impl CacheCell {
                         0
                     },
             ),
-            state: UnsafeCell::new(CacheState::new(config, trace_id)),
+            state: UnsafeCell::new(CacheState::new(config, config_seq, Arc::clone(&trace))),
             stats: Counters::default(),
             remote: RemoteSide::default(),
-            trace_id,
+            trace,
         }
     }
 
     /// The cache's name.
     pub(crate) fn name(&self) -> &str {
-        &self.name
+        self.trace.name()
     }
 
     /// The name of the owner thread.
@@ -217,7 +225,7 @@ impl CacheCell {
 
     /// The cache's number in recorded events.
     pub(crate) fn trace_id(&self) -> u32 {
-        self.trace_id
+        self.trace.id()
     }
 
     /// The number of the owner thread (its [`thread::ThreadToken`]).
@@ -357,11 +365,13 @@ impl CacheCell {
         }
         let requests = mem::take(&mut self.remote.state.lock().requests);
         self.drain_returned(state, false);
-        if let Some(config) = requests.config {
-            self.configure_locked(state, config);
+        if let Some((seq, config)) = requests.config {
+            self.configure_locked(state, seq, config);
         }
-        if requests.invalidate {
+        if requests.invalidate > 0 {
+            // One invalidation serves them all; each call counts.
             state.invalidate(&self.stats);
+            add(&self.stats.invalidations, requests.invalidate);
         }
         // Requests are served with no scope of the cache active.
         for device in requests.flush {
@@ -389,11 +399,16 @@ impl CacheCell {
     }
 
     /// Runs `f` on the cache state. Owner thread only; `f` must not call back into any cache.
+    /// With feature `tracing`, the events `f` queued are emitted after it (outside a scope,
+    /// after the lock is given up).
     fn owned<R>(&self, f: impl FnOnce(&mut CacheState, &Counters) -> R) -> R {
         debug_assert!(self.is_owned_here());
         if self.is_active() {
             // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
-            f(unsafe { self.locked() }, &self.stats)
+            let r = f(unsafe { self.locked() }, &self.stats);
+            #[cfg(feature = "tracing")]
+            events::emit();
+            r
         } else {
             let mut held = self.hold();
             f(held.state(), &self.stats)
@@ -444,6 +459,9 @@ impl CacheCell {
         self.depth.store(0, Relaxed);
         // SAFETY: the lock was taken by the outermost `enter`; the borrow above has ended.
         unsafe { self.unlock() };
+        // What the scope queued (see `events`), now that the lock is given up.
+        #[cfg(feature = "tracing")]
+        events::emit();
     }
 
     /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only
@@ -504,14 +522,13 @@ impl CacheCell {
             add(&st.misses, 1);
             st.allocated(state.slots[slot as usize].gauge, block.bytes());
             #[cfg(feature = "tracing")]
-            tracing::debug!(
-                cache = %self.name,
-                dtype = %req.dtype,
-                dims = ?req.dims,
-                device = %req.device,
-                bytes = block.bytes(),
-                "cache miss: allocated from the device"
-            );
+            events::queue(|| events::Event::Miss {
+                cache: Arc::clone(self.trace.name()),
+                dtype: req.dtype,
+                dims: req.dims.into(),
+                device: req.device,
+                bytes: block.bytes(),
+            });
             if record::on() {
                 state.note_block(st, EventKind::Miss, slot, &block);
             }
@@ -545,18 +562,21 @@ impl CacheCell {
         self.owned(|state, st| {
             self.drain_returned(state, false);
             state.invalidate(st);
+            add(&st.invalidations, 1);
         });
     }
 
-    /// Applies `config` (owner thread). Changing the key policy invalidates the cache.
-    pub(crate) fn configure(&self, config: CacheConfig) {
-        self.owned(|state, _| self.configure_locked(state, config));
+    /// Applies the options of `configure` call `seq` (owner thread), unless the cache applied a
+    /// later call's. Changing the key policy invalidates the cache.
+    pub(crate) fn configure(&self, seq: ConfigSeq, config: CacheConfig) {
+        self.owned(|state, _| self.configure_locked(state, seq, config));
     }
 
-    /// The configuration (owner thread).
+    /// The configuration and the generation (owner thread): a new generation starts at each
+    /// invalidation, whether a call or a change of key policy asked for it.
     #[cfg(feature = "cuda")]
-    pub(crate) fn config(&self) -> CacheConfig {
-        self.owned(|state, _| state.config)
+    pub(crate) fn config(&self) -> (CacheConfig, u32) {
+        self.owned(|state, _| (state.config, state.generation))
     }
 
     /// Restarts the peak from the bytes held now (any thread).

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use super::arena::block::VIEW_SLOT;
 use super::counters::GaugeIx;
 use super::lock::RETURNED;
-use super::state::CacheState;
+use super::state::{CacheState, ConfigSeq};
 use super::{CacheCell, Home};
 use crate::Device;
 use crate::backend::Block;
@@ -31,12 +31,15 @@ pub(super) struct Returned {
 /// What other threads asked of the cache, for the next holder of its lock.
 #[derive(Default)]
 pub(crate) struct Requests {
-    /// New options (`configure`).
-    pub(crate) config: Option<CacheConfig>,
-    /// Invalidate the cache.
-    pub(crate) invalidate: bool,
-    /// Free the free lists of these devices (`None`: every device).
-    pub(crate) flush: Vec<Option<Device>>,
+    /// New options (`configure`), with the number of that call (see [`ConfigSeq`]).
+    pub(crate) config: Option<(ConfigSeq, CacheConfig)>,
+    /// Invalidate the cache: the number of `invalidate` calls that asked (one invalidation
+    /// serves them all; each counts in the cache's `invalidations`).
+    pub(crate) invalidate: usize,
+    /// Free the free lists of these devices (`None`: every device), each at most once, and
+    /// `None` alone (see [`Requests::flush`]): bounded by the devices, however long the owner's
+    /// scope.
+    pub(super) flush: Vec<Option<Device>>,
 }
 
 /// The part of a cache that other threads write.
@@ -64,7 +67,34 @@ pub(super) struct RemoteSide {
     pub(super) state: Mutex<Remote>,
 }
 
+impl Requests {
+    /// Asks for the free lists of `device` (`None`: every device) to be freed. A device asked
+    /// for already, or every device, subsumes it; every device subsumes the rest.
+    pub(crate) fn flush(&mut self, device: Option<Device>) {
+        if self.flush.contains(&None) || self.flush.contains(&device) {
+            return;
+        }
+        if device.is_none() {
+            self.flush.clear();
+        }
+        self.flush.push(device);
+    }
+
+    /// Asks for the options of `configure` call `seq` (kept if a later call already asked).
+    pub(crate) fn configure(&mut self, seq: ConfigSeq, config: CacheConfig) {
+        if self.config.is_none_or(|(queued, _)| queued < seq) {
+            self.config = Some((seq, config));
+        }
+    }
+}
+
 impl CacheCell {
+    /// The flush requests waiting for the lock holder.
+    #[cfg(test)]
+    pub(crate) fn queued_flushes(&self) -> usize {
+        self.remote.state.lock().requests.flush.len()
+    }
+
     /// Takes in the buffers other threads returned (lock holder), and accounts those another
     /// thread gave back to the device. Cheap when there are none: one load of the lock's
     /// [`RETURNED`] hint, inlined; the mutex is taken only when it is set.

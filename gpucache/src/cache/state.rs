@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::mem;
+use std::sync::Arc;
 
 use hashbrown::HashTable;
 
@@ -15,6 +16,11 @@ use crate::Device;
 use crate::backend::Block;
 use crate::config::{CacheConfig, KeyPolicy, Reuse};
 use crate::trace::record::{self, EventKind};
+
+/// The number of a `configure` call, in the order the calls took the registry's lock (0: the
+/// default options). A cache applies options only from a call later than those it applied, so
+/// that a request served late never undoes a later call.
+pub(crate) type ConfigSeq = u64;
 
 /// A free buffer and when it was freed (a stamp of the cache's clock).
 pub(super) struct Free {
@@ -41,8 +47,10 @@ pub(super) struct SlotMeta {
 /// The state of a cache, behind the cell's lock.
 pub(super) struct CacheState {
     pub(super) config: CacheConfig,
-    /// The cache's number in recorded events.
-    pub(super) trace_id: u32,
+    /// The `configure` call `config` came from.
+    pub(super) config_seq: ConfigSeq,
+    /// The cache's name and number in recorded events.
+    pub(super) trace: Arc<record::CellName>,
     pub(super) generation: u32,
     keys: HashTable<Entry>,
     pub(super) slots: Vec<Slot>,
@@ -70,10 +78,15 @@ pub(super) struct CacheState {
 
 impl CacheState {
     /// An empty cache state with `config`.
-    pub(super) fn new(config: CacheConfig, trace_id: u32) -> CacheState {
+    pub(super) fn new(
+        config: CacheConfig,
+        config_seq: ConfigSeq,
+        trace: Arc<record::CellName>,
+    ) -> CacheState {
         CacheState {
             config,
-            trace_id,
+            config_seq,
+            trace,
             generation: 0,
             keys: HashTable::new(),
             slots: Vec::new(),
@@ -328,19 +341,21 @@ impl CacheState {
 
     /// Frees every buffer the cache has back (free, pending, deferred) and starts a new
     /// generation. The keys and their (now empty) free lists stay, so `Home::slot` stays valid.
+    /// The caller counts the `invalidate` calls it serves (a change of key policy is none).
     pub(super) fn invalidate(&mut self, st: &Counters) {
         self.flush(st, None);
         self.free_waiting(st, None);
         self.free_arenas(st, None, true, true);
         self.lru.clear();
         self.generation = self.generation.wrapping_add(1);
-        add(&st.invalidations, 1);
         #[cfg(feature = "tracing")]
-        tracing::debug!(cache = %record::cache_name(self.trace_id), "cache invalidated");
+        super::events::queue(|| super::events::Event::Invalidated {
+            cache: Arc::clone(self.trace.name()),
+        });
         if record::on() {
             record::push(record::Note::about(
                 EventKind::Invalidate,
-                Some(self.trace_id),
+                Some(self.trace.id()),
             ));
         }
     }
@@ -373,12 +388,11 @@ impl CacheState {
                 sub(st.gauge(g).cached, block.bytes());
                 add(&st.evictions, 1);
                 #[cfg(feature = "tracing")]
-                tracing::debug!(
-                    cache = %record::cache_name(self.trace_id),
-                    bytes = block.bytes(),
+                super::events::queue(|| super::events::Event::Evicted {
+                    cache: Arc::clone(self.trace.name()),
+                    bytes: block.bytes(),
                     cap,
-                    "evicted a free buffer to stay within max_cached_bytes"
-                );
+                });
                 if record::on() {
                     self.note_block(st, EventKind::Evict, slot, &block);
                 }

@@ -58,7 +58,7 @@ impl CacheState {
         let meta = &self.meta[slot as usize];
         record::push(Note {
             kind,
-            cell: Some(self.trace_id),
+            cell: Some(self.trace.id()),
             key: Some(meta.key.traced()),
             bytes,
             buffer: Some(buffer),
@@ -72,7 +72,7 @@ impl CacheState {
     #[cold]
     #[inline(never)]
     pub(super) fn note_bytes(&self, st: &Counters) {
-        note_gauges(st, self.trace_id);
+        note_gauges(st, self.trace.id());
     }
 
     /// [`CacheState::put_back`], recorded.
@@ -131,7 +131,7 @@ impl CacheCell {
     #[inline(never)]
     pub(crate) fn enter_traced(&self) {
         self.enter();
-        record::push(Note::about(EventKind::ScopeEnter, Some(self.trace_id)));
+        record::push(Note::about(EventKind::ScopeEnter, Some(self.trace.id())));
     }
 
     /// [`CacheCell::exit`], recorded, with the bytes the cache holds after it.
@@ -139,8 +139,8 @@ impl CacheCell {
     #[inline(never)]
     pub(crate) fn exit_traced(&self) {
         self.exit();
-        record::push(Note::about(EventKind::ScopeExit, Some(self.trace_id)));
-        note_gauges(&self.stats, self.trace_id);
+        record::push(Note::about(EventKind::ScopeExit, Some(self.trace.id())));
+        note_gauges(&self.stats, self.trace.id());
     }
 
     /// Records that the cache closed (its thread exited): it holds nothing any more, for the
@@ -151,14 +151,14 @@ impl CacheCell {
             record::push(Note {
                 device: Some(device),
                 bytes_after: Some((0, 0)),
-                ..Note::about(EventKind::Settled, Some(self.trace_id))
+                ..Note::about(EventKind::Settled, Some(self.trace.id()))
             });
         }
     }
 
     /// Records the bytes the cache holds (any thread: when recording starts).
     pub(crate) fn note_all_bytes(&self) {
-        note_gauges(&self.stats, self.trace_id);
+        note_gauges(&self.stats, self.trace.id());
     }
 
     /// Records buffers returned by other threads that a thread gave back to the device.
@@ -171,7 +171,7 @@ impl CacheCell {
                 buffer: Some(block.id()),
                 device: Some(block.device()),
                 stream: block.stream_id(),
-                ..Note::about(EventKind::DeviceFree, Some(self.trace_id))
+                ..Note::about(EventKind::DeviceFree, Some(self.trace.id()))
             });
         }
     }
@@ -186,7 +186,7 @@ impl CacheCell {
             buffer: Some(r.block.id()),
             device: Some(r.block.device()),
             stream: r.block.stream_id(),
-            ..Note::about(EventKind::Returned, Some(self.trace_id))
+            ..Note::about(EventKind::Returned, Some(self.trace.id()))
         });
     }
 }

@@ -128,9 +128,9 @@ struct Captured {
     stream: Arc<CudaStream>,
     /// Cleared when an array the graph uses (and did not allocate) drops.
     alive: Arc<AtomicBool>,
-    /// The cache's invalidation count and configuration at capture.
-    invalidations: u64,
-    config: CacheConfig,
+    /// The cache's configuration and generation at capture (a new generation: the cache was
+    /// invalidated, by a call or by a change of key policy).
+    config: (CacheConfig, u32),
     /// The buffers of the arrays the step allocated: the graph reads and writes them, so
     /// nothing else may get them while it lives.
     held: HeldBuffers,
@@ -140,7 +140,6 @@ impl Captured {
     fn is_valid(&self, cell: &CacheCell, stream: &CudaStream) -> bool {
         self.alive.load(Ordering::Acquire)
             && stream.cu_stream() == self.stream.cu_stream()
-            && cell.snapshot().invalidations == self.invalidations
             && cell.config() == self.config
     }
 }
@@ -283,7 +282,7 @@ impl StepGraph {
         stream: &Arc<CudaStream>,
         step: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
-        let (invalidations, config) = (cell.snapshot().invalidations, cell.config());
+        let config = cell.config();
         let run = RunGuard::start(Mode::Capturing, self.device, stream)?;
         let result = step();
         let (graph, mut state) = run.finish();
@@ -324,7 +323,6 @@ impl StepGraph {
             graph,
             stream: Arc::clone(stream),
             alive: Arc::clone(&state.alive),
-            invalidations,
             config,
             held: std::mem::take(&mut state.held),
         });

@@ -20,6 +20,10 @@ use crate::{DType, Device, Error, Result, Shape};
 /// The default bound of a thread's buffer, in events (about 100 bytes each).
 pub const MAX_EVENTS_PER_THREAD: usize = 1 << 20;
 
+/// The largest bound of a thread's buffer `GPUCACHE_TRACE_MAX_EVENTS` may set: 2^28 events
+/// (about 25 GiB per thread if every event is used).
+pub(crate) const MAX_EVENTS_BOUND: usize = CHUNK * SEGMENT * SEGMENTS;
+
 /// What happened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -150,9 +154,16 @@ static SESSION_ID: AtomicU64 = AtomicU64::new(0);
 
 /// Events per chunk of a thread's buffer.
 const CHUNK: usize = 1024;
+/// Chunks per segment.
+const SEGMENT: usize = 1024;
+/// The most segments of a buffer (see [`MAX_EVENTS_BOUND`]).
+const SEGMENTS: usize = 256;
 
 /// [`CHUNK`] events, each set once.
 type Chunk = Box<[OnceLock<Stamped>]>;
+/// [`SEGMENT`] chunks, each made when its first event is written. Segments are made the same
+/// way, so a buffer allocates up front only its table of segments (at most [`SEGMENTS`]).
+type Segment = Box<[OnceLock<Chunk>]>;
 
 /// A thread's events of one session. Only its thread appends (through [`WRITER`]); any thread
 /// may read the events published so far (`len`).
@@ -160,18 +171,20 @@ struct ThreadBuf {
     thread: u64,
     name: String,
     /// Events written, in order; each is set once.
-    chunks: Box<[OnceLock<Chunk>]>,
+    segments: Box<[OnceLock<Segment>]>,
     max: usize,
     len: AtomicUsize,
     dropped: AtomicU64,
 }
 
 impl ThreadBuf {
+    /// A buffer of at most `max_events` events ([`MAX_EVENTS_BOUND`] at most).
     fn new(max_events: usize) -> ThreadBuf {
+        let max_events = max_events.min(MAX_EVENTS_BOUND);
         ThreadBuf {
             thread: crate::thread::token(),
             name: crate::thread::name(),
-            chunks: (0..max_events.div_ceil(CHUNK))
+            segments: (0..max_events.div_ceil(CHUNK * SEGMENT))
                 .map(|_| OnceLock::new())
                 .collect(),
             max: max_events,
@@ -183,11 +196,17 @@ impl ThreadBuf {
     /// Appends `event` (the buffer's thread only).
     fn push(&self, event: Stamped) {
         let n = self.len.load(Relaxed);
-        let Some(chunk) = self.chunks.get(n / CHUNK).filter(|_| n < self.max) else {
+        let Some(segment) = self
+            .segments
+            .get(n / (CHUNK * SEGMENT))
+            .filter(|_| n < self.max)
+        else {
             self.dropped.store(self.dropped.load(Relaxed) + 1, Relaxed);
             return;
         };
-        let chunk = chunk.get_or_init(|| (0..CHUNK).map(|_| OnceLock::new()).collect());
+        let segment = segment.get_or_init(|| (0..SEGMENT).map(|_| OnceLock::new()).collect());
+        let chunk = segment[n / CHUNK % SEGMENT]
+            .get_or_init(|| (0..CHUNK).map(|_| OnceLock::new()).collect());
         // Only this thread appends, and `n` was never written: the slot is empty.
         let _ = chunk[n % CHUNK].set(event);
         // Publishes the event to readers (`Acquire` in `events`).
@@ -197,7 +216,9 @@ impl ThreadBuf {
     /// The events published so far.
     fn events(&self) -> impl Iterator<Item = &Stamped> {
         let n = self.len.load(Acquire);
-        (0..n).filter_map(|i| self.chunks[i / CHUNK].get()?[i % CHUNK].get())
+        (0..n).filter_map(|i| {
+            self.segments[i / (CHUNK * SEGMENT)].get()?[i / CHUNK % SEGMENT].get()?[i % CHUNK].get()
+        })
     }
 }
 
@@ -223,9 +244,44 @@ struct Cells {
 
 static CELLS: Mutex<Option<Cells>> = parking_lot::const_mutex(None);
 
-/// A number for a new cache of `name` owned by thread `owner`, for its events (called once per
-/// cache, when it is created).
-pub(crate) fn register_cell(name: &str, owner: u64) -> u32 {
+/// A cache as events name it: its name, its owner thread, and the number events carry, given
+/// when the cache first records (so that caches that never record, while recording is off,
+/// take no room in the table of cells; a cache made before recording started gets its number
+/// when it records).
+pub(crate) struct CellName {
+    name: Arc<str>,
+    owner: u64,
+    id: OnceLock<u32>,
+}
+
+impl CellName {
+    /// Cache `name` of thread `owner`, with no number yet.
+    pub(crate) fn new(name: &str, owner: u64) -> CellName {
+        CellName {
+            name: name.into(),
+            owner,
+            id: OnceLock::new(),
+        }
+    }
+
+    /// The cache's name.
+    pub(crate) fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The cache's number in events (given at the first call; takes a lock then).
+    #[inline]
+    pub(crate) fn id(&self) -> u32 {
+        *self
+            .id
+            .get_or_init(|| register_cell(&self.name, self.owner))
+    }
+}
+
+/// A number for cache `name` owned by thread `owner`, for its events (once per cache, when it
+/// first records).
+#[cold]
+fn register_cell(name: &str, owner: u64) -> u32 {
     let mut cells = CELLS.lock();
     let cells = cells.get_or_insert_with(Cells::default);
     let name_index = match cells.by_name.get(name) {
@@ -242,17 +298,10 @@ pub(crate) fn register_cell(name: &str, owner: u64) -> u32 {
     (cells.cells.len() - 1) as u32
 }
 
-/// The name of cache `id` (for `tracing` events; takes a lock).
-#[cfg(feature = "tracing")]
-pub(crate) fn cache_name(id: u32) -> Arc<str> {
-    let cells = CELLS.lock();
-    cells
-        .as_ref()
-        .and_then(|c| {
-            let &(name, _) = c.cells.get(id as usize)?;
-            Some(Arc::clone(&c.names[name as usize]))
-        })
-        .unwrap_or_else(|| "".into())
+/// How many caches have a number for events.
+#[cfg(test)]
+pub(crate) fn registered_cells() -> usize {
+    CELLS.lock().as_ref().map_or(0, |c| c.cells.len())
 }
 
 /// What a hook reports: an [`Event`] without its time and thread, naming its cache by number

@@ -68,19 +68,36 @@ impl Shape {
         // known where this is inlined, one comparison with a constant, and the product cannot
         // overflow.
         let size = dtype.size_in_bytes();
+        match self.product() {
+            Some(n) if n <= MAX_BYTES / size => Ok(n * size),
+            // Out of line: the product overflowed or is too large (or a zero dimension came
+            // after the overflow), so the allocation path above stays as short as it can be.
+            _ => self.byte_len_slow(dtype),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn byte_len_slow(&self, dtype: DType) -> Result<usize> {
+        let size = dtype.size_in_bytes();
         self.checked_numel()
             .filter(|&n| n <= MAX_BYTES / size)
             .map(|n| n * size)
             .ok_or_else(|| self.overflow(Some(dtype)))
     }
 
-    /// The product of the dimensions, or `None` when it overflows; 0 whenever a dimension is,
-    /// whatever the order (the zero is looked for only after an overflow).
-    #[inline]
-    fn checked_numel(&self) -> Option<usize> {
+    /// The product of the dimensions in order, or `None` when it overflows on the way.
+    #[inline(always)]
+    fn product(&self) -> Option<usize> {
         self.dims
             .iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// The product of the dimensions, or `None` when it overflows; 0 whenever a dimension is,
+    /// whatever the order (the zero is looked for only after an overflow).
+    fn checked_numel(&self) -> Option<usize> {
+        self.product()
             .or_else(|| self.dims.contains(&0).then_some(0))
     }
 

@@ -216,12 +216,16 @@ fn unroll(ops: &[Op], out: &mut Vec<Op>) {
     }
 }
 
-fn config() -> ProptestConfig {
+/// The configuration of part `part` (1 to [`PARTS`]). Only part 1 replays the programs kept in
+/// the regressions file (and keeps new ones): each part would replay all of them, and under
+/// valgrind every replayed program costs seconds. A failure in another part prints its seed.
+fn config(part: u32) -> ProptestConfig {
     let mut config = ProptestConfig {
         // Beside this file: tests/prop_programs.proptest-regressions.
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
-            "proptest-regressions",
-        ))),
+        failure_persistence: (part == 1).then(|| {
+            Box::new(FileFailurePersistence::WithSource("proptest-regressions"))
+                as Box<dyn proptest::test_runner::FailurePersistence>
+        }),
         ..ProptestConfig::default()
     };
     let total = std::env::var("PROPTEST_CASES")
@@ -233,25 +237,37 @@ fn config() -> ProptestConfig {
 }
 
 proptest! {
-    #![proptest_config(config())]
+    #![proptest_config(config(1))]
 
     #[test]
     fn random_programs_keep_every_invariant_1(program in program()) {
         let _serial = serial();
         run(&program.0);
     }
+}
+
+proptest! {
+    #![proptest_config(config(2))]
 
     #[test]
     fn random_programs_keep_every_invariant_2(program in program()) {
         let _serial = serial();
         run(&program.0);
     }
+}
+
+proptest! {
+    #![proptest_config(config(3))]
 
     #[test]
     fn random_programs_keep_every_invariant_3(program in program()) {
         let _serial = serial();
         run(&program.0);
     }
+}
+
+proptest! {
+    #![proptest_config(config(4))]
 
     #[test]
     fn random_programs_keep_every_invariant_4(program in program()) {

@@ -152,20 +152,27 @@
 //!
 //! ## Choosing a key policy
 //!
+//! Measured on real models' allocation logs (PyTorch training, varying-length inference and
+//! decoding, replayed by `examples/replay`; the figures are in the repository's BENCHMARKS.md):
+//!
 //! * **The same shapes every step** (training with a fixed batch): [`KeyPolicy::Exact`], the
-//!   default. Each array gets a buffer of exactly its key back, nothing is wasted, and arrays
-//!   may escape the step freely.
-//! * **Shapes that vary from step to step, arrays freed with the step** (inference with a
-//!   variable batch, sequence lengths that vary): [`KeyPolicy::Arena`]. One block per device,
-//!   sized to the largest step: after that step, no device allocation for any mix of smaller
-//!   shapes, and the memory held is what the largest step uses. An array that escapes keeps its
-//!   whole block alive (the next step takes another one), so an arena suits steps whose results
-//!   are copied out or dropped soon.
-//! * **Shapes that vary, arrays that outlive their step** (results kept across steps):
-//!   [`KeyPolicy::SizeClass`]. Any buffer of an array's size class serves it, with at most a
-//!   quarter of slack; memory grows with the classes in use.
+//!   default. Each array gets a buffer of exactly its key back, no device allocation after the
+//!   first steps, and arrays may escape the step freely. Every buffer of a step stays distinct
+//!   until the scope exits, so a step holds the sum of what it allocates; with
+//!   [`Reuse::Immediate`] a buffer dropped inside the step serves a later array of its key, which
+//!   holds much less on real training steps.
+//! * **Shapes that vary from step to step** (inference with a variable batch or sequence length,
+//!   decoding with a growing cache): [`KeyPolicy::SizeClass`] with [`Reuse::Immediate`] holds
+//!   the least of today's policies on the real logs. Exact keys there allocate in every step and
+//!   keep what they allocated.
+//! * [`KeyPolicy::Arena`] (one block per step, bump-allocated) suits steps of few arrays whose
+//!   results are copied out or dropped soon; on real models' steps, which allocate hundreds of
+//!   arrays that mostly die within the step, it holds the step's sum of bytes and more.
 //! * A byte cap (`max_cached_bytes`) over exact keys does not fix varying shapes: the cache
 //!   evicts the buffers the next steps would have hit, and allocates nearly every step.
+//!
+//! A planned tier that holds no more than a step's arrays need at once (offsets computed from
+//! the step's own lifetimes) is designed in the repository's ARCHITECTURE.md and not built yet.
 //!
 //! How each policy fares (device allocations, peak bytes, time per step) is measured by the
 //! benches, and the figures are kept in the repository's BENCHMARKS.md.

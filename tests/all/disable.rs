@@ -2,8 +2,6 @@
 //! re-runs [`child_process`] in a child process of this binary with it set, and shows the
 //! child's output only when it fails.
 
-use std::process::Command;
-
 use crate::common;
 use gpucache::{Array, Device, enter, stats};
 
@@ -12,29 +10,15 @@ const CHILD: &str = "disable::child_process";
 /// Runs [`child_process`] with `GPUCACHE_DISABLE=value`, expecting caching `disabled` or not;
 /// returns the child's standard error.
 fn child(value: &str, disabled: bool) -> String {
-    let out = Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            CHILD,
-            "--test-threads=1",
-            "--include-ignored",
-            "--nocapture",
-        ])
-        .env("GPUCACHE_DISABLE", value)
-        .env(
-            "GPUCACHE_DISABLE_EXPECT",
-            if disabled { "off" } else { "on" },
-        )
-        .env_remove("GPUCACHE_TRACE")
-        .output()
-        .expect("the test binary runs");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(
-        out.status.success(),
-        "the run with GPUCACHE_DISABLE={value:?} failed:\n{}\n{stderr}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    stderr
+    let expect = if disabled { "off" } else { "on" };
+    crate::common::run_child(
+        CHILD,
+        &[
+            ("GPUCACHE_DISABLE", value),
+            ("GPUCACHE_DISABLE_EXPECT", expect),
+        ],
+        &format!("the run with GPUCACHE_DISABLE={value:?}"),
+    )
 }
 
 /// The warning an unrecognised value gives, as lines of `stderr`.

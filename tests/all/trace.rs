@@ -6,7 +6,6 @@
 //! Recording is process-wide, so every test that records holds `common::serial()`.
 
 use std::collections::HashMap;
-use std::process::Command;
 
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::trace::{self, Event, EventKind, Trace, TraceKey};
@@ -380,21 +379,9 @@ const CHILD: &str = "trace::child_process";
 
 /// Runs [`child_process`] in a child of this test binary with `env`; returns its standard error.
 fn child(env: &[(&str, &str)]) -> String {
-    let out = Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            CHILD,
-            "--test-threads=1",
-            "--include-ignored",
-            "--nocapture",
-        ])
-        .env("GPUCACHE_TRACE_CHILD", "1")
-        .envs(env.iter().copied())
-        .output()
-        .expect("the test binary runs");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "the child failed: {stderr}");
-    stderr
+    let mut env = env.to_vec();
+    env.push(("GPUCACHE_TRACE_CHILD", "1"));
+    crate::common::run_child(CHILD, &env, "the child")
 }
 
 /// What the child processes run (listed as ignored in a normal run).

@@ -190,6 +190,32 @@ pub fn pick<'a, T>(rng: &mut Rng, items: &'a [T]) -> &'a T {
     &items[rng.usize(..items.len())]
 }
 
+/// Runs the ignored test `test` (its full name) of this test binary alone in a child process,
+/// with `env` set (and `GPUCACHE_TRACE` removed, so a recording of the parent's never follows
+/// it), its output captured; returns the child's standard error. A failing child fails the
+/// caller with `what` and the child's output.
+pub fn run_child(test: &str, env: &[(&str, &str)], what: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            test,
+            "--test-threads=1",
+            "--include-ignored",
+            "--nocapture",
+        ])
+        .env_remove("GPUCACHE_TRACE")
+        .envs(env.iter().copied())
+        .output()
+        .expect("the test binary runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}\n{stderr}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    stderr
+}
+
 /// A number from the environment variable `var`, or `default` when it is unset.
 pub fn env_or(var: &str, default: usize) -> usize {
     match std::env::var(var) {

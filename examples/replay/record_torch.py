@@ -230,6 +230,16 @@ def summarize(ops):
 # ---- built-in models ----------------------------------------------------------------------------
 
 
+def record_training(step, steps, path):
+    """Records `steps` calls of a training `step`, each a scope named `train_step`, into `path`."""
+    rec = Recorder("train_step")
+    with rec:
+        for _ in range(steps):
+            with rec.step():
+                step()
+    return rec.write(path)
+
+
 def record_tiny(out):
     """A self-check: known allocations inside and outside steps."""
     dev = torch.device("cuda")
@@ -275,12 +285,7 @@ def record_gpt2_train(out, steps=8, batch=8, seq=256):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    rec = Recorder("train_step")
-    with rec:
-        for _ in range(steps):
-            with rec.step():
-                step()
-    return rec.write(os.path.join(out, "gpt2_train.csv.gz"))
+    return record_training(step, steps, os.path.join(out, "gpt2_train.csv.gz"))
 
 
 def record_resnet_train(out, steps=8, batch=32):
@@ -300,12 +305,7 @@ def record_resnet_train(out, steps=8, batch=32):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    rec = Recorder("train_step")
-    with rec:
-        for _ in range(steps):
-            with rec.step():
-                step()
-    return rec.write(os.path.join(out, "resnet50_train.csv.gz"))
+    return record_training(step, steps, os.path.join(out, "resnet50_train.csv.gz"))
 
 
 def record_bert_infer(out, steps=10, batch=8):

@@ -16,7 +16,12 @@ use crate::common::{configure, serial};
 /// (level, message, `cache` field) of every event.
 type Seen = Arc<Mutex<Vec<(Level, String, String)>>>;
 
-struct Collect(Seen);
+/// Collects every event into `seen`; with `reader`, its handler first reads the caches (the
+/// stats of cache `reader`, and the summary), as a subscriber may.
+struct Collect {
+    seen: Seen,
+    reader: Option<&'static str>,
+}
 
 #[derive(Default)]
 struct Fields {
@@ -46,8 +51,13 @@ impl Subscriber for Collect {
     fn event(&self, event: &Event<'_>) {
         let mut fields = Fields::default();
         event.record(&mut fields);
+        if let Some(name) = self.reader {
+            // Both read the cache whose event this is.
+            let _ = gpucache::stats(name);
+            let _ = gpucache::summary();
+        }
         let level = *event.metadata().level();
-        self.0
+        self.seen
             .lock()
             .unwrap()
             .push((level, fields.message, fields.cache));
@@ -56,10 +66,15 @@ impl Subscriber for Collect {
     fn exit(&self, _: &Id) {}
 }
 
-/// The events `f` emits on this thread.
-fn collect(f: impl FnOnce()) -> Vec<(Level, String, String)> {
+/// The events `f` emits on this thread, collected by a subscriber that reads cache `reader`
+/// from its handler, if given.
+fn collect(reader: Option<&'static str>, f: impl FnOnce()) -> Vec<(Level, String, String)> {
     let seen = Seen::default();
-    tracing::subscriber::with_default(Collect(Arc::clone(&seen)), f);
+    let subscriber = Collect {
+        seen: Arc::clone(&seen),
+        reader,
+    };
+    tracing::subscriber::with_default(subscriber, f);
     seen.lock().unwrap().clone()
 }
 
@@ -73,7 +88,7 @@ fn misses_evictions_invalidations_and_out_of_memory_are_tracing_events_hits_are_
         c.reuse = Reuse::Immediate;
         c.max_cached_bytes = Some(1000);
     });
-    let seen = collect(|| {
+    let seen = collect(None, || {
         let _scope = enter(name);
         for _ in 0..5 {
             drop(Array::<u8>::zeros(Device::Cpu, 600).unwrap()); // 1 miss, 4 hits
@@ -100,34 +115,6 @@ fn misses_evictions_invalidations_and_out_of_memory_are_tracing_events_hits_are_
     );
 }
 
-/// A subscriber that reads the caches from inside its event handler.
-struct Reentrant(&'static str, Seen);
-
-impl Subscriber for Reentrant {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(1)
-    }
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, event: &Event<'_>) {
-        let mut fields = Fields::default();
-        event.record(&mut fields);
-        // Both read the cache whose event this is.
-        let _ = gpucache::stats(self.0);
-        let _ = gpucache::summary();
-        let level = *event.metadata().level();
-        self.1
-            .lock()
-            .unwrap()
-            .push((level, fields.message, fields.cache));
-    }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
-}
-
 #[test]
 fn a_subscriber_may_read_the_caches_from_its_event_handler() {
     let _serial = serial();
@@ -135,8 +122,7 @@ fn a_subscriber_may_read_the_caches_from_its_event_handler() {
     configure(name, |c| c.reuse = Reuse::Immediate);
     let (done, finished) = std::sync::mpsc::channel();
     let worker = std::thread::spawn(move || {
-        let seen = Seen::default();
-        tracing::subscriber::with_default(Reentrant(name, Arc::clone(&seen)), || {
+        let seen = collect(Some(name), || {
             {
                 // Inside a scope: a miss, an eviction (a drop past the cap), an invalidation.
                 let _scope = enter(name);
@@ -164,7 +150,7 @@ fn a_subscriber_may_read_the_caches_from_its_event_handler() {
             gpucache::invalidate(name);
         });
         let _ = done.send(());
-        seen.lock().unwrap().clone()
+        seen
     });
     finished
         .recv_timeout(std::time::Duration::from_secs(20))

@@ -410,12 +410,14 @@ pub fn reset_peak(name: &str) {
 /// ```
 pub fn snapshot() -> Snapshot {
     let cells = all_cells();
-    let exited: Vec<Arc<CacheCell>> = EXITED
-        .lock()
-        .iter()
-        .flat_map(Exited::live)
-        .cloned()
-        .collect();
+    // Exited threads' caches read once: their rows, and those whose arrays are still alive.
+    let (mut gone, exited): (Vec<SnapshotRow>, Vec<Arc<CacheCell>>) = {
+        let exited = EXITED.lock();
+        (
+            exited.iter().flat_map(Exited::rows).collect(),
+            exited.iter().flat_map(Exited::live).cloned().collect(),
+        )
+    };
     let mut devices: Vec<DeviceUsage> = Vec::new();
     // Arrays of exited threads' caches still alive elsewhere count on their device too.
     for (device, bytes) in cells.iter().chain(&exited).flat_map(|c| c.device_bytes()) {
@@ -435,12 +437,8 @@ pub fn snapshot() -> Snapshot {
     let mut rows: Vec<SnapshotRow> = cells.iter().map(|c| row(c)).collect();
     let key = |r: &SnapshotRow| (r.thread.clone(), r.thread_number, r.cache.clone());
     rows.sort_by_key(key);
-    {
-        let exited = EXITED.lock();
-        let mut gone: Vec<SnapshotRow> = exited.iter().flat_map(Exited::rows).collect();
-        gone.sort_by_key(key);
-        rows.extend(gone);
-    }
+    gone.sort_by_key(key);
+    rows.extend(gone);
     Snapshot { rows, devices }
 }
 

@@ -41,6 +41,7 @@ use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
 
 /// The gpucache configurations the report replays every log under (a new policy is one line).
 pub const CONFIGS: &[(&str, CacheConfig)] = &[
+    ("planned (default)", config(Reuse::OnExit, KeyPolicy::Planned)),
     ("exact/on-exit", config(Reuse::OnExit, KeyPolicy::Exact)),
     (
         "exact/immediate",
@@ -53,11 +54,6 @@ pub const CONFIGS: &[(&str, CacheConfig)] = &[
     (
         "size-class/immediate",
         config(Reuse::Immediate, KeyPolicy::SizeClass),
-    ),
-    ("arena/on-exit", config(Reuse::OnExit, KeyPolicy::Arena)),
-    (
-        "arena/immediate",
-        config(Reuse::Immediate, KeyPolicy::Arena),
     ),
 ];
 

@@ -1,12 +1,5 @@
-//! Planning a step's memory from its recorded lifetimes, and what that would hold on a log.
-//!
-//! A step that repeats allocates the same arrays in the same order with the same lifetimes. Its
-//! arrays can then share one block: each gets an offset, chosen once from the recorded
-//! lifetimes, such that two arrays alive at the same time never overlap. [`greedy_by_size`]
-//! chooses them as TensorFlow Lite's arena planner does: the largest array first, each at the
-//! lowest-waste gap left between the arrays already placed whose lifetimes overlap its own (best
-//! fit), else above them. The block's size (the plan's *footprint*) is at least the step's peak
-//! live bytes, and on real steps close to it.
+//! What plans of a step's memory (`gpucache::planner`, the layout of a planned cache) would hold
+//! on a whole log.
 //!
 //! [`simulate`] measures what such plans would hold on a whole log: every step planned from its
 //! own lifetimes, the plan remade with each position's largest size as the log goes on (so one
@@ -16,94 +9,9 @@
 
 use std::collections::HashMap;
 
+pub use gpucache::planner::{Lifetime, greedy_by_size};
+
 use super::Op;
-
-/// Offsets and sizes in a plan are multiples of this (as `cudaMalloc` aligns).
-pub const ALIGN: usize = 256;
-
-/// `bytes` rounded up to [`ALIGN`] (a zero-byte array takes no room).
-pub fn aligned(bytes: usize) -> usize {
-    bytes.div_ceil(ALIGN) * ALIGN
-}
-
-/// One array of a step: its size, and when it was alive, as `[start, end)` in the step's
-/// allocation ticks (it is allocated at `start` and dropped before the allocation at `end`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lifetime {
-    pub bytes: usize,
-    pub start: u32,
-    pub end: u32,
-}
-
-impl Lifetime {
-    /// Whether `self` and `other` are alive at the same time.
-    pub fn overlaps(&self, other: &Lifetime) -> bool {
-        self.start < other.end && other.start < self.end
-    }
-}
-
-/// Where each array of a step goes in one block.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Plan {
-    /// The offset of each array, in the order of the lifetimes planned.
-    pub offsets: Vec<usize>,
-    /// The block's size: the end of the highest array.
-    pub footprint: usize,
-}
-
-/// The most bytes alive at once among `lives`: the least any plan can take.
-pub fn peak_live(lives: &[Lifetime]) -> usize {
-    let mut events: Vec<(u32, isize)> = Vec::with_capacity(2 * lives.len());
-    for l in lives {
-        events.push((l.start, l.bytes as isize));
-        events.push((l.end, -(l.bytes as isize)));
-    }
-    // At one tick, drops come before allocations (`end` is exclusive).
-    events.sort_by_key(|&(t, d)| (t, d));
-    let (mut live, mut peak) = (0isize, 0isize);
-    for (_, d) in events {
-        live += d;
-        peak = peak.max(live);
-    }
-    peak as usize
-}
-
-/// Offsets for `lives` in one block, greedy by size with best fit (see the module docs).
-/// Sizes are taken as they are (align them first to place arrays at aligned offsets).
-pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
-    let mut order: Vec<usize> = (0..lives.len()).collect();
-    // Largest first; ties by start, then position, so that the plan is deterministic.
-    order.sort_by_key(|&i| (std::cmp::Reverse(lives[i].bytes), lives[i].start, i));
-    let mut offsets = vec![0usize; lives.len()];
-    let mut placed: Vec<usize> = Vec::with_capacity(lives.len());
-    let mut footprint = 0;
-    let mut taken: Vec<(usize, usize)> = Vec::new();
-    for i in order {
-        let me = lives[i];
-        taken.clear();
-        taken.extend(
-            placed
-                .iter()
-                .filter(|&&j| lives[j].overlaps(&me) && lives[j].bytes > 0)
-                .map(|&j| (offsets[j], offsets[j] + lives[j].bytes)),
-        );
-        taken.sort_unstable();
-        // The smallest gap that holds it (the first of equal ones), else above everything.
-        let (mut best, mut best_gap, mut top) = (None, usize::MAX, 0usize);
-        for &(lo, hi) in &taken {
-            if lo >= top && lo - top >= me.bytes && lo - top < best_gap {
-                best = Some(top);
-                best_gap = lo - top;
-            }
-            top = top.max(hi);
-        }
-        let at = best.unwrap_or(top);
-        offsets[i] = at;
-        footprint = footprint.max(at + me.bytes);
-        placed.push(i);
-    }
-    Plan { offsets, footprint }
-}
 
 /// What [`simulate`] found on a log.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -172,7 +80,7 @@ fn steps(ops: &[Op]) -> Vec<(Step, Freed)> {
                 lives.push((
                     *buffer,
                     Lifetime {
-                        bytes: aligned(*bytes),
+                        bytes: gpucache::planner::aligned(*bytes).unwrap_or(*bytes),
                         start: tick,
                         end: u32::MAX,
                     },

@@ -7,14 +7,14 @@
 //! the next only when it cannot serve the request:
 //!
 //! 1. a zero-size array owns no memory and touches no cache;
-//! 2. an arena cache bumps its current block;
-//! 3. the cache takes in what other threads returned and what other streams finished with, and
-//!    looks again ([`CacheCell::take`]);
-//! 4. a device allocation is refused while the thread captures a step graph (it would be
+//! 2. the cache serves it ([`CacheCell::take`]): a planned cache from its plan or a spare; a
+//!    cache of free lists takes in what other threads returned and what other streams finished
+//!    with, and looks again;
+//! 3. a device allocation is refused while the thread captures a step graph (it would be
 //!    captured, not made);
-//! 5. the backend allocates; when the device is out of memory, the caches give back what no
+//! 4. the backend allocates; when the device is out of memory, the caches give back what no
 //!    array owns (this thread's for that device, then every thread's) and it retries once;
-//! 6. the cache accounts the new buffer ([`CacheCell::adopt`]).
+//! 5. the cache accounts the new buffer ([`CacheCell::adopt`]).
 //!
 //! Zeroing is decided once per allocation, from its [`Init`] and element type ([`Zeroing`]).
 //! A drop goes the other way ([`release`]): to a step graph run that holds its buffers, else
@@ -62,7 +62,7 @@ impl Init {
 }
 
 /// The hit path: a free buffer of `req`'s key in the thread's current cache, if it is a plain
-/// one (not recorded, not an arena: those are served by [`alloc_slow`]).
+/// one (not recorded, not planned: those are served by [`alloc_slow`]).
 #[inline(always)]
 pub(crate) fn hit(req: &Request<'_>) -> Option<(Block, Home)> {
     scope::with_current_plain(|c| c.and_then(|c| c.hit(req)))
@@ -80,9 +80,6 @@ pub(crate) fn alloc_slow(req: &Request<'_>, zeroing: Zeroing) -> Result<Option<G
             let block = device_alloc(req, None, req.bytes, zeroing.fresh)?;
             return Ok(Some(Got::Fresh(block, None)));
         };
-        if let Some((view, home)) = cache.bump(req) {
-            return Ok(Some(Got::Recycled(view, home)));
-        }
         let (capacity, shared) = match cache.take(req) {
             Take::Hit(block, home) => return Ok(Some(Got::Recycled(block, home))),
             Take::Failed(e) => return Err(e),

@@ -37,43 +37,66 @@ pub enum Reuse {
 /// Which arrays may share a buffer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum KeyPolicy {
-    /// Arrays of the same element type, shape and device (the default).
+    /// A step's arrays share memory, laid out from the step's own lifetimes (the default; see
+    /// [Memory of a step](crate#memory-of-a-step)).
+    ///
+    /// * **The first step** allocates every array from the device and frees it when it drops:
+    ///   it holds exactly what its arrays need at once, and its order, sizes and lifetimes are
+    ///   recorded.
+    /// * **A plan** is made from that record when the scope's outermost entry exits: one block
+    ///   per device, and an offset in it for the k-th allocation of the step, chosen so that
+    ///   arrays alive at the same time never overlap ([`planner::greedy_by_size`]). The block is
+    ///   about the step's peak live bytes.
+    /// * **Later steps** follow the plan: the k-th allocation gets its offset, in O(1) and at the
+    ///   same address every step, when it is no larger than the plan's size there and every array
+    ///   the plan placed over those bytes has dropped. Anything else (a larger size, more
+    ///   allocations, an array kept alive past its planned end) is served apart, and the plan is
+    ///   remade from that step, with each position's largest size.
+    /// * **Arrays that outlive their step** (returned, stored, sent to another thread) are
+    ///   served apart, in blocks of their own, which are kept for the next such array for one
+    ///   step after they are freed.
+    /// * [`Reuse`] does not apply: the plan reuses memory as the step's arrays drop.
+    ///
+    /// [`planner::greedy_by_size`]: crate::planner::greedy_by_size
     #[default]
+    Planned,
+    /// Arrays of the same element type, shape and device. With [`Reuse::OnExit`], every
+    /// buffer of a step stays distinct within the step: a step holds the sum of what it
+    /// allocates, not its peak.
     Exact,
     /// Arrays whose byte sizes round up to the same size class, on the same device, whatever
     /// their shape and element type; the logical shape stays on the array. Classes are 512 bytes
     /// and below, then four per power of two (`2^k`, `1.25·2^k`, `1.5·2^k`, `1.75·2^k`), so at
-    /// most a quarter of a buffer is slack. For loops whose shapes vary from step to step.
+    /// most a quarter of a buffer is slack.
     SizeClass,
-    /// One block per device, from which every array of a scope is bump-allocated at 256-byte
-    /// aligned offsets, whatever its shape and element type; everything a scope handed out
-    /// becomes free together when its outermost entry exits. For loops whose shapes vary from
-    /// step to step (see [Choosing a key policy](crate#choosing-a-key-policy)).
-    ///
-    /// * **Steady state**: one block, sized to the largest step, and no device allocation for
-    ///   any mix of smaller shapes. A step that does not fit continues in extra blocks; at the
-    ///   end of that step they are replaced by one block sized to what the step used.
-    /// * **Escaping arrays** keep their block alive, and it is never bumped from again: the next
-    ///   step uses another block. When the last array of the old block drops (on any thread) it
-    ///   becomes a spare for later steps, or goes back to the device when it is too small or
-    ///   over `max_cached_bytes`, which bounds the spare blocks.
-    /// * [`Reuse`] does not apply: memory is free only when the scope exits.
-    /// * **Stats**: a bump is a hit, and a bump that needs a new block a miss; the bytes of a
-    ///   block not bumped from yet, and blocks no array uses, count as cached.
+    /// Formerly a bump arena per scope; it held a step's sum of bytes and let arrays that
+    /// outlived their step pin whole blocks. It is now the same as [`KeyPolicy::Planned`].
+    #[deprecated(note = "use KeyPolicy::Planned, which lays a step out from its lifetimes")]
     Arena,
 }
 
 impl KeyPolicy {
+    /// Whether this policy plans steps ([`KeyPolicy::Planned`], or its old name).
+    #[allow(deprecated)]
+    pub(crate) fn is_planned(self) -> bool {
+        matches!(self, KeyPolicy::Planned | KeyPolicy::Arena)
+    }
+
     /// The capacity of the buffer this policy gives an array of `bytes > 0` bytes.
     pub(crate) fn capacity(self, bytes: usize) -> usize {
         match self {
-            KeyPolicy::Exact | KeyPolicy::Arena => bytes,
-            // A class above the largest allocation would fail where the array itself fits.
-            KeyPolicy::SizeClass => Some(size_class(bytes))
-                .filter(|&c| c <= crate::shape::MAX_BYTES)
-                .unwrap_or(bytes),
+            KeyPolicy::SizeClass => size_class_within(bytes),
+            _ => bytes,
         }
     }
+}
+
+/// `bytes`' size class, or `bytes` when the class is above the largest allocation (it would fail
+/// where the array itself fits).
+pub(crate) fn size_class_within(bytes: usize) -> usize {
+    Some(size_class(bytes))
+        .filter(|&c| c <= crate::shape::MAX_BYTES)
+        .unwrap_or(bytes)
 }
 
 /// Rounds `bytes > 0` up to its size class (see [`KeyPolicy::SizeClass`]).

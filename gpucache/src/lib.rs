@@ -313,6 +313,7 @@ mod metrics;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
+pub mod planner;
 mod registry;
 mod scope;
 mod shape;

@@ -362,14 +362,15 @@ impl CudaBuf {
 
     /// A view's owner dropped: its marked streams, and its own stream if it is not the
     /// parent's, become marks of `parent`, recorded when the parent's owner ends its use.
-    pub(crate) fn hand_marks_to(&mut self, parent: &CudaBuf) {
+    /// Returns whether there were any (the view was used on a stream other than the parent's).
+    pub(crate) fn hand_marks_to(&mut self, parent: &CudaBuf) -> bool {
         let own = parent.stream.cu_stream();
         let mut marks = mem::take(self.marked.get_mut());
         if self.stream.cu_stream() != own {
             marks.push(Arc::clone(&self.stream));
         }
         if marks.is_empty() {
-            return;
+            return false;
         }
         let mut marked = parent.marked.lock();
         for stream in marks {
@@ -378,6 +379,7 @@ impl CudaBuf {
                 marked.push(stream);
             }
         }
+        true
     }
 
     /// cudarc's slice of the whole buffer.
@@ -464,6 +466,13 @@ impl CudaBuf {
         self.events
             .iter()
             .all(|e| e.try_is_complete().unwrap_or(false))
+    }
+
+    /// Whether the thread's current stream for the device is the buffer's: then
+    /// [`CudaBuf::prepare_reuse`] has nothing to order.
+    #[inline]
+    pub(crate) fn on_current_stream(&self) -> bool {
+        current_handle(self.slice.ordinal()) == self.stream.cu_stream()
     }
 
     /// Hands the buffer to a new owner on this thread's current stream for its device.

@@ -254,6 +254,17 @@ impl Block {
         }
     }
 
+    /// Whether [`Block::prepare_reuse`] has nothing to order: host memory, or device memory
+    /// last used on the thread's current stream.
+    #[inline]
+    pub(crate) fn on_current_stream(&self) -> bool {
+        match &*self.storage {
+            Storage::Host(_) => true,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.on_current_stream(),
+        }
+    }
+
     /// Prepares a recycled block for its new array: device backends order the thread's
     /// current stream after the block's earlier work. Nothing to do for host memory.
     #[inline]

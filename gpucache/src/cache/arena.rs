@@ -1,49 +1,78 @@
-//! Arena caches ([`KeyPolicy::Arena`]): every array of a scope is
-//! bump-allocated from one block per device, and all of them become free together when the
-//! scope's outermost entry exits.
+//! Planned caches ([`KeyPolicy::Planned`](crate::KeyPolicy::Planned), the default): a step's
+//! arrays share one block per device, laid out from the step's own recorded lifetimes.
+//!
+//! # A step, its record and its plan
+//!
+//! Per device, a cache counts the allocations of the current step (the time between two exits of
+//! its outermost scope): the k-th is *position* k. It records every position's aligned size
+//! and the tick its array dropped ([`layout::Rec`]). The first step has no plan: every array gets
+//! a block of its own from the device (*solo*), freed when it drops, so the step holds exactly
+//! what its arrays need at once. At the step's end the record becomes a plan ([`Layout`]): an
+//! offset per position in one block, the arrays that outlived the step left apart. Later steps
+//! follow it: position k gets a view of the plan's block at its offset when
+//! [`Layout::serve`] says it may (no larger than planned, no array alive over those bytes), else
+//! a solo block, and the step is marked *diverged*. A diverged step is planned again at its end,
+//! with each position's largest size. So a fixed-shape loop settles on one plan after its second
+//! step, and a loop whose sizes vary settles on one that fits its largest step.
+//!
+//! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
+//! class. When such a block's array drops in a later step than it was made in, the block is kept
+//! as a *spare*, for the next solo array it fits (at most a quarter larger), through the end of the
+//! next step; then it goes back to the device. A solo block whose array dropped within its step
+//! goes back at once: the next plan holds its bytes.
 //!
 //! # Off the free-list paths
 //!
-//! An arena cache sets the [`ARENA`] flag of its cell, so it is never
+//! A planned cache sets the [`ARENA`] flag of its cell, so it is never
 //! [plain](CacheCell::is_plain): the free-list hit, the release of a dropped array on the owner
 //! thread and the scope exit all test that one byte anyway (for closed and traced caches), and
-//! send an arena cache to their slow paths, which serve it here: a bump in [`CacheCell::take`],
-//! the drop of a view in [`CacheCell::send_view_home`], the end of a step in
-//! [`CacheCell::exit_slow`]. Nothing on the paths of other caches tests for arenas or views.
-//! The flag stays set while arrays of an arena may be alive (after a change of key policy),
-//! so that a view always finds its way back here.
+//! send a planned cache to their slow paths, which serve it here: an allocation in
+//! [`CacheCell::take`], the drop of a view in [`CacheCell::send_view_home`], the end of a step in
+//! [`CacheCell::exit_slow`]. The flag stays set while arrays of a planned cache may be alive
+//! (after a change of key policy), so that a view always finds its way back here.
 //!
 //! # Blocks and their arrays
 //!
 //! An [`ArenaBlock`] holds one device allocation, in an `Arc` allocation of its own. Arrays get
-//! *views* of it ([`Block::view`]) whose [`Home`] names the arena (`slot` [`VIEW_SLOT`]) and whose
-//! backend is the arena block: it frees nothing when a view drops, and the view holds no count
-//! of its `Arc` (see [`Block::view`]). A block is either the cache's (the block bumped from,
-//! the *extra* blocks of a step that overflowed, or a spare) or, once a scope exited while
-//! arrays of it were alive, *retired*: owned by those arrays, and handed back by the last of them
-//! to drop.
+//! *views* of it ([`Block::view`]) whose [`Home`] says where they come from (`slot`:
+//! [`VIEW_BASE`] plus the position; `generation`: the number of the step that made them) and
+//! whose backend is the arena block: it frees nothing when a view drops, and the view holds no
+//! count of its `Arc` (see [`Block::view`]). A plan's block is the cache's until the plan is
+//! remade, invalidated or emptied; then, if arrays of it are alive, it is *retired*: owned by
+//! those arrays, and freed by the last of them to drop. A solo block is retired from the start.
 //!
-//! Views are counted with a biased count, so that a bump and a drop on the owner thread touch no
-//! atomic read-modify-write: `local` (views made minus views dropped on the owner thread) is
+//! Views are counted with a biased count, so that a plan hit and a drop on the owner thread touch
+//! no atomic read-modify-write: `local` (views made minus views dropped on the owner thread) is
 //! written only by the holder of the cache's lock, and `shared` counts the drops on other threads
 //! (down from 0). Retiring the block adds `local` into `shared`; from then on every drop
 //! decrements `shared`, and the one that takes it to zero owns the block again: on the owner
-//! thread it goes back to the cache at once, on another thread through the cache's return queue
-//! (or to the device once the cache is closed), like any returned buffer. A retired block counts
-//! as one buffer in the cell's `live`, which keeps the cell alive for it.
+//! thread it is taken back at once, on another thread through the cache's return queue (or freed
+//! once the cache is closed), like any returned buffer. A retired block counts as one buffer in
+//! the cell's `live`, which keeps the cell alive for it.
+//!
+//! A view dropped on another thread is only counted: the owner does not learn that its position
+//! is free, so the plan keeps those bytes taken (a later position over them is served apart and
+//! the step is planned again), which is safe.
+//!
+//! # Stream order
+//!
+//! A plan's block is made ready for the thread's current stream at the first hit of each step
+//! (`prepare_reuse`, as a recycled buffer is), and its views are made on that stream, so a
+//! position reused within the step is ordered after its earlier use. A view used on another
+//! stream (its stream changed, or `Array::record_stream`) keeps its bytes taken for the rest of
+//! the step when it drops, and at the step's end the block leaves the plan (freed after the
+//! recorded events, or retired): the next step gets another.
 //!
 //! # Stats and recorded events
 //!
-//! A bump is a hit, and a bump that needs a new block a miss (the block is one device
-//! allocation). The bytes of a block not yet bumped from, and whole blocks that no array uses
-//! (spares, and the block between steps), count as cached; the rest as in use. While recording
-//! ([`crate::trace`]), a bump is recorded as a hit and a new block as a miss, with the array's
-//! bytes and address; the drop of an arena array is not recorded (its bytes come back when the
-//! scope exits, which is recorded with the cache's bytes).
+//! A plan hit or a spare is a hit; a new solo block or plan block a miss (one device
+//! allocation). The bytes of a plan's block that no array uses, and spares, count as cached.
+//! While recording ([`crate::trace`]) a hit and a miss are recorded with the array's bytes and
+//! address; the drop of a planned array is not recorded.
 
 pub(super) mod block;
+pub(super) mod layout;
 
-use std::mem;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::*;
 
@@ -51,17 +80,99 @@ use super::counters::{Counters, GaugeIx, add, sub};
 use super::state::{CacheState, ConfigSeq};
 use super::{ARENA, CacheCell, Got, Home, Request, Take};
 use crate::backend::{self, Backend, Block};
-use crate::config::{CacheConfig, KeyPolicy};
+use crate::config::{CacheConfig, size_class_within};
 use crate::trace::record::{self, EventKind, Note};
 use crate::{Device, Result};
-use block::{ArenaBlock, BlockPtr, DeviceArena, Used, VIEW_SLOT, aligned};
+use block::{ArenaBlock, BlockPtr, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned};
+use layout::{Layout, NONE, OPEN, Rec, Serve};
 
-/// What the arena's slow path asks the caller to do.
-pub(super) enum Grow {
-    /// Allocate a block of this many bytes and pass it to [`CacheCell::adopt`].
-    Alloc(usize),
+/// The most positions a step records; allocations past them are served apart, and the step is
+/// not planned (a scope that never exits must not grow its record without bound).
+const MAX_POSITIONS: u32 = 1 << 20;
+
+/// A plan of one device: its layout and its block.
+pub(super) struct Plan {
+    layout: Layout,
+    /// Made at the plan's first hit.
+    block: Option<BlockPtr>,
+    /// Aligned bytes of the block's arrays alive, as the owner counts them.
+    in_use: usize,
+    /// The block was made ready for this step's stream.
+    ready: bool,
+    /// A view of the block was used on another stream this step: the block leaves the plan at
+    /// the step's end.
+    tainted: bool,
+}
+
+/// A solo block no array uses, kept for the next solo array it fits.
+pub(super) struct Spare {
+    block: Block,
+    /// The step it became a spare in.
+    step: u32,
+}
+
+/// What a device allocation that the cache asked for ([`Take::Miss`]) is for.
+#[derive(Clone, Copy)]
+enum Awaiting {
+    /// The plan's block, for position `pos` at `offset`, allocation `rec` of the step.
+    Plan { pos: u32, offset: usize, rec: u32 },
+    /// A solo block for position `pos`.
+    Solo { pos: u32 },
+}
+
+/// The planned cache of one device.
+pub(super) struct DeviceArena {
+    device: Device,
+    gauge: GaugeIx,
+    /// The number of the current step (wraps).
+    step: u32,
+    /// The current step's allocations so far.
+    tick: u32,
+    record: Vec<Rec>,
+    /// The step left its plan: plan it again at its end.
+    diverged: bool,
+    /// The step allocated more than [`MAX_POSITIONS`] times: it is not planned.
+    overflowed: bool,
+    plan: Option<Plan>,
+    spares: Vec<Spare>,
+    awaiting: Option<Awaiting>,
+}
+
+// SAFETY: a `DeviceArena` is part of a cache's state, reached only by the holder of its lock (on
+// any thread); its `BlockPtr` stands for the cache's count of an `Arc<ArenaBlock>`, whose fields
+// are `Send` and `Sync` (a block, and atomics).
+unsafe impl Send for DeviceArena {}
+
+/// The planned caches of a cache: one per device it has allocated on.
+#[derive(Default)]
+pub(super) struct Arenas {
+    devices: Vec<DeviceArena>,
+}
+
+impl Arenas {
+    /// The index of `device`'s, if it has one.
+    #[inline]
+    fn index(&self, device: Device) -> Option<usize> {
+        self.devices.iter().position(|a| a.device == device)
+    }
+
+    /// Whether no device has a plan or a spare (retired blocks aside).
+    pub(super) fn is_empty(&self) -> bool {
+        self.devices
+            .iter()
+            .all(|a| a.plan.as_ref().is_none_or(|p| p.block.is_none()) && a.spares.is_empty())
+    }
+}
+
+/// What the planned path gives [`CacheCell::take`].
+enum Planned {
+    /// A view, with its home's `slot` and step.
+    View(Block, u32, u32),
+    /// Allocate a block of `capacity` bytes and pass it to [`CacheCell::adopt`].
+    Alloc { capacity: usize, shared: bool },
     /// The cache tracks its most devices: allocate without it.
     Bypass,
+    Failed(crate::Error),
 }
 
 /// Counts `bytes` of gauge `g` as cached.
@@ -82,234 +193,408 @@ fn free_cached(st: &Counters, g: GaugeIx, block: Block) {
     st.freed(g, block.bytes());
 }
 
-impl CacheState {
-    /// The hit path of an arena cache: a view of the current block, if `req` fits in it.
-    #[inline(always)]
-    fn bump(&mut self, st: &Counters, req: &Request<'_>) -> Option<Result<Block>> {
-        let a = self.arenas.of(req.device)?;
-        let size = aligned(req.bytes)?;
-        let used = a.current.as_mut()?;
-        // SAFETY: the current block is the cache's, alive until the lock holder frees it.
-        let cap = unsafe { used.arena.as_ref() }.block.bytes();
-        if cap - used.top < size {
-            return None;
+/// The `slot` of the home of an array at `pos`.
+#[inline]
+fn view_slot(pos: u32) -> u32 {
+    VIEW_BASE + pos.min(NO_POSITION)
+}
+
+impl DeviceArena {
+    fn new(device: Device, gauge: GaugeIx) -> DeviceArena {
+        DeviceArena {
+            device,
+            gauge,
+            step: 0,
+            tick: 0,
+            record: Vec::new(),
+            diverged: false,
+            overflowed: false,
+            plan: None,
+            spares: Vec::new(),
+            awaiting: None,
         }
-        if a.fresh {
-            // SAFETY: no view of a fresh block is alive, and we hold the lock.
-            let block = unsafe { ArenaBlock::block_mut(used.arena) };
-            if let Err(e) = block.prepare_reuse() {
-                return Some(Err(e));
-            }
-            a.fresh = false;
-        }
-        // SAFETY: as above.
-        let arena = unsafe { used.arena.as_ref() };
-        let owner: *const dyn Backend = used.arena.as_ptr().cast_const();
-        // SAFETY: `top + req.bytes <= cap`, `owner` is the `Arc::into_raw` pointer of the
-        // block's `Arc`, whose backend is not counted, and the block stays alive, unmoved and
-        // untouched through `&mut` while views of it live: it is reset or freed only once no
-        // view is alive (`views() == 0` before retirement, `shared` reaching 0 after).
-        let view = match unsafe { arena.block.view(owner, used.top, req.bytes) } {
-            Ok(view) => view,
-            Err(e) => return Some(Err(e)),
-        };
-        used.top += size;
-        a.step += size;
-        arena.local.store(arena.local.load(Relaxed) + 1, Relaxed);
-        add(&st.hits, 1);
-        uncached(st, a.gauge, size);
-        Some(Ok(view))
     }
 
-    /// After [`CacheState::bump`] found no room: makes an idle spare big enough current and bumps
-    /// from it, or says how big a new block must be.
-    fn bump_slow(
-        &mut self,
-        st: &Counters,
-        req: &Request<'_>,
-    ) -> std::result::Result<Result<Block>, Grow> {
-        let Some(size) = aligned(req.bytes) else {
-            // No block can hold it; the device will say so.
-            return Err(Grow::Alloc(req.bytes));
-        };
-        let generation = self.generation;
-        let a = self.arena_for(st, req.device).ok_or(Grow::Bypass)?;
-        let need = size.max(if a.current.is_some() { 0 } else { a.want });
-        let spare = a
+    /// A spare of at least `size` bytes and at most a quarter more, idle, the smallest such.
+    fn take_spare(&mut self, st: &Counters, size: usize) -> Option<Block> {
+        let most = size.saturating_add(size / 4);
+        let i = self
             .spares
             .iter()
-            .position(|b| b.bytes() >= need && b.is_idle());
-        match spare {
-            Some(i) => {
-                let block = a.spares.remove(i);
-                a.install(block, generation);
-                self.bump(st, req).ok_or(Grow::Alloc(need))
-            }
-            None => {
-                // A step that outgrows its block continues in one twice as large (the step's
-                // blocks are replaced by one sized to it when it ends).
-                let cap = a.current.as_ref().map_or(0, |u| {
-                    // SAFETY: the current block is the cache's.
-                    unsafe { u.arena.as_ref() }.block.bytes()
-                });
-                let grown = cap.saturating_mul(2).min(crate::shape::MAX_BYTES);
-                Err(Grow::Alloc(need.max(grown).max(a.want)))
-            }
-        }
+            .enumerate()
+            .filter(|(_, s)| (size..=most).contains(&s.block.bytes()) && s.block.is_idle())
+            .min_by_key(|(_, s)| s.block.bytes())?
+            .0;
+        let block = self.spares.swap_remove(i).block;
+        uncached(st, self.gauge, block.bytes());
+        Some(block)
     }
 
-    /// The arena of `device`, made if new (`None` when the cache tracks its most devices).
-    fn arena_for(&mut self, st: &Counters, device: Device) -> Option<&mut DeviceArena> {
-        if self.arenas.of(device).is_none() {
-            let gauge = st.gauge_for(device)?;
-            self.arenas.devices.push(DeviceArena {
-                device,
-                gauge,
-                current: None,
-                extra: Vec::new(),
-                fresh: false,
-                step: 0,
-                want: 0,
-                spares: Vec::new(),
+    /// Takes the plan's block out of the plan: freed if no array uses it, else retired (then
+    /// owned by its arrays). Returns whether it was retired.
+    fn detach(&mut self, st: &Counters, arena: BlockPtr, in_use: usize) -> bool {
+        // SAFETY: a plan's block is the cache's until detached.
+        let counts = unsafe { arena.as_ref() };
+        let bytes = counts.block.bytes();
+        if counts.views() > 0 {
+            // The rest of the block is not handed out again: in use until it comes back.
+            uncached(st, self.gauge, bytes - in_use);
+            counts.retired.store(true, Relaxed);
+            let local = counts.local.swap(0, Relaxed) as isize;
+            if counts.shared.fetch_add(local, AcqRel) + local > 0 {
+                return true;
+            }
+            // Every array dropped meanwhile on another thread: it is ours again.
+            cached(st, self.gauge, bytes);
+        } else {
+            // Arrays dropped on other threads were not counted back.
+            cached(st, self.gauge, in_use);
+        }
+        // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
+        let block = unsafe { ArenaBlock::into_block(arena) };
+        free_cached(st, self.gauge, block);
+        false
+    }
+
+    /// Frees the plan's block if no array uses it (a step that left its plan uses it no more).
+    /// Returns whether it was retired (never: it has no views).
+    fn release_unused_block(&mut self, st: &Counters) -> bool {
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
+        // SAFETY: a plan's block is the cache's until detached.
+        let Some(b) = plan.block.filter(|b| unsafe { b.as_ref() }.views() == 0) else {
+            return false;
+        };
+        plan.block = None;
+        let in_use = std::mem::take(&mut plan.in_use);
+        self.detach(st, b, in_use)
+    }
+
+    /// Drops the plan (its block detached). Returns whether the block was retired.
+    fn drop_plan(&mut self, st: &Counters) -> bool {
+        let Some(plan) = self.plan.take() else {
+            return false;
+        };
+        self.diverged = true;
+        plan.block.is_some_and(|b| self.detach(st, b, plan.in_use))
+    }
+
+    /// The step ended: plans it again if it left its plan (keeping the block when it fits the
+    /// new plan and no array uses it), and gives back the spares that a whole step did not use.
+    /// Returns the number of blocks retired.
+    fn end_step(&mut self, st: &Counters) -> usize {
+        let mut retired = 0;
+        let n = self.record.len();
+        let mut whole = false;
+        if let Some(plan) = &mut self.plan {
+            whole = plan.layout.end_step();
+            plan.ready = false;
+        }
+        let tainted = self.plan.as_ref().is_some_and(|p| p.tainted);
+        if self.overflowed {
+            retired += usize::from(self.drop_plan(st));
+        } else if n > 0 && (self.diverged || !whole) {
+            let layout = Layout::new(&self.record, self.plan.as_ref().map(|p| &p.layout));
+            let mut keep = None;
+            if let Some(old) = self.plan.take()
+                && let Some(b) = old.block
+            {
+                // SAFETY: a plan's block is the cache's until detached.
+                let counts = unsafe { b.as_ref() };
+                let bytes = counts.block.bytes();
+                let fits = bytes >= layout.footprint && bytes - layout.footprint <= bytes / 8;
+                if fits && !tainted && counts.views() == 0 {
+                    cached(st, self.gauge, old.in_use);
+                    keep = Some(b);
+                } else {
+                    retired += usize::from(self.detach(st, b, old.in_use));
+                }
+            }
+            self.plan = Some(Plan {
+                layout,
+                block: keep,
+                in_use: 0,
+                ready: false,
+                tainted: false,
             });
+        } else if tainted && let Some(plan) = &mut self.plan {
+            plan.tainted = false;
+            if let Some(b) = plan.block.take() {
+                let in_use = std::mem::take(&mut plan.in_use);
+                retired += usize::from(self.detach(st, b, in_use));
+            }
         }
-        self.arenas.of(device)
+        self.record.clear();
+        self.tick = 0;
+        self.diverged = false;
+        self.overflowed = false;
+        self.awaiting = None;
+        let step = self.step;
+        self.step = step.wrapping_add(1);
+        let (gauge, mut i) = (self.gauge, 0);
+        while i < self.spares.len() {
+            if self.spares[i].step != step {
+                free_cached(st, gauge, self.spares.swap_remove(i).block);
+            } else {
+                i += 1;
+            }
+        }
+        retired
+    }
+}
+
+impl CacheState {
+    /// The index of `device`'s planned cache, made if new (`None` when the cache tracks its most
+    /// devices).
+    fn arena_for(&mut self, st: &Counters, device: Device) -> Option<usize> {
+        if let Some(i) = self.arenas.index(device) {
+            return Some(i);
+        }
+        let gauge = st.gauge_for(device)?;
+        self.arenas.devices.push(DeviceArena::new(device, gauge));
+        Some(self.arenas.devices.len() - 1)
     }
 
-    /// Makes a freshly allocated `block` current and bumps `req` from it (a miss).
+    /// An allocation in a planned cache: from the plan, a spare, or a new block.
+    fn planned(&mut self, st: &Counters, req: &Request<'_>) -> Planned {
+        let Some(size) = aligned(req.bytes) else {
+            // No block can hold it; the device will say so.
+            return Planned::Alloc {
+                capacity: req.bytes,
+                shared: false,
+            };
+        };
+        let Some(i) = self.arena_for(st, req.device) else {
+            return Planned::Bypass;
+        };
+        let a = &mut self.arenas.devices[i];
+        let rec = a.tick;
+        let mut capacity = size;
+        if rec >= MAX_POSITIONS {
+            a.overflowed = true;
+        } else {
+            a.tick += 1;
+            let (mut serve, pos) = match &mut a.plan {
+                Some(plan) => plan.layout.next(size, rec),
+                None => (Serve::Diverged, NONE),
+            };
+            if a.diverged
+                && let (Serve::At(_), Some(plan)) = (&serve, &mut a.plan)
+            {
+                // The step left its plan: the rest of it is served apart (and still matched
+                // with the plan's positions, for the next plan's sizes).
+                plan.layout.dropped(pos);
+                serve = Serve::Diverged;
+            }
+            a.record.push(Rec {
+                bytes: size,
+                end: OPEN,
+                planned: pos,
+            });
+            match serve {
+                Serve::At(offset) => return self.plan_view(st, i, req, pos, offset, rec),
+                // Arrays that outlive their step may grow from step to step (a cache of keys
+                // and values in decoding): their blocks leave room.
+                Serve::Apart => capacity = size_class_within(size),
+                Serve::Diverged if a.plan.is_some() && !a.diverged => {
+                    a.diverged = true;
+                    self.live += usize::from(a.release_unused_block(st));
+                }
+                Serve::Diverged => {}
+            }
+        }
+        let pos = rec.min(NO_POSITION);
+        if let Some(block) = a.take_spare(st, size) {
+            add(&st.hits, 1);
+            return self.solo_view(st, block, req, pos);
+        }
+        a.awaiting = Some(Awaiting::Solo { pos });
+        Planned::Alloc {
+            capacity,
+            shared: false,
+        }
+    }
+
+    /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a
+    /// view of the plan's block, made first if need be.
+    fn plan_view(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        pos: u32,
+        offset: usize,
+        rec: u32,
+    ) -> Planned {
+        let a = &mut self.arenas.devices[i];
+        let Some(plan) = &mut a.plan else {
+            unreachable!("served from a plan")
+        };
+        let Some(arena) = plan.block else {
+            plan.layout.dropped(pos);
+            a.awaiting = Some(Awaiting::Plan { pos, offset, rec });
+            return Planned::Alloc {
+                capacity: plan.layout.footprint,
+                shared: true,
+            };
+        };
+        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+        let counts = unsafe { arena.as_ref() };
+        if !plan.ready {
+            if counts.views() == 0 {
+                // SAFETY: no view is alive, and we hold the lock.
+                let block = unsafe { ArenaBlock::block_mut(arena) };
+                if let Err(e) = block.prepare_reuse() {
+                    plan.layout.dropped(pos);
+                    return Planned::Failed(e);
+                }
+            } else if !counts.block.on_current_stream() {
+                // Arrays of an earlier step are alive and the stream changed: the block cannot
+                // be handed to the new stream under them. The step goes apart and re-plans.
+                plan.layout.dropped(pos);
+                a.diverged = true;
+                a.awaiting = Some(Awaiting::Solo { pos: rec });
+                return Planned::Alloc {
+                    capacity: aligned(req.bytes).unwrap_or(req.bytes),
+                    shared: false,
+                };
+            }
+            plan.ready = true;
+        }
+        let owner: *const dyn Backend = arena.as_ptr().cast_const();
+        // SAFETY: `offset + size <= footprint <= block bytes` (the layout placed it), `owner` is
+        // the `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and
+        // the block stays alive, unmoved and untouched through `&mut` while views of it live:
+        // it is prepared only with no view alive, and freed only once none is (`views() == 0`
+        // before retirement, `shared` reaching 0 after).
+        let view = match unsafe { counts.block.view(owner, offset, req.bytes) } {
+            Ok(view) => view,
+            Err(e) => {
+                plan.layout.dropped(pos);
+                return Planned::Failed(e);
+            }
+        };
+        counts.local.store(counts.local.load(Relaxed) + 1, Relaxed);
+        let size = aligned(req.bytes).unwrap_or(req.bytes);
+        plan.in_use += size;
+        uncached(st, a.gauge, size);
+        Planned::View(view, view_slot(pos), a.step)
+    }
+
+    /// A view of all of `block`, a solo block for the array at `pos`.
+    fn solo_view(&mut self, st: &Counters, block: Block, req: &Request<'_>, pos: u32) -> Planned {
+        let Some(i) = self.arenas.index(block.device()) else {
+            unreachable!("a solo block of a device the cache has no arena for")
+        };
+        let arena = ArenaBlock::new_solo(block, self.generation);
+        // SAFETY: just made; ours alone until the view exists.
+        let counts = unsafe { arena.as_ref() };
+        let owner: *const dyn Backend = arena.as_ptr().cast_const();
+        // SAFETY: `req.bytes <= block bytes` (the block was chosen or made for it), `owner` is
+        // the `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and
+        // the block is retired with this one view counted: it is taken back only by that view's
+        // drop.
+        match unsafe { counts.block.view(owner, 0, req.bytes) } {
+            Ok(view) => {
+                self.live += 1;
+                Planned::View(view, view_slot(pos), self.arenas.devices[i].step)
+            }
+            Err(e) => {
+                counts.shared.store(0, Relaxed);
+                // SAFETY: the view was not made; nothing else points at the block.
+                let block = unsafe { ArenaBlock::into_block(arena) };
+                self.free_arena_block(st, block);
+                Planned::Failed(e)
+            }
+        }
+    }
+
+    /// Accounts `block`, allocated after [`Planned::Alloc`], and makes the view for `req`.
     /// `Err(block)` when the cache cannot track the device (the caller uses the block alone).
-    fn adopt_block(
+    fn adopt_planned(
         &mut self,
         st: &Counters,
         req: &Request<'_>,
         block: Block,
-    ) -> std::result::Result<Result<Block>, Block> {
-        let generation = self.generation;
-        let Some(a) = self.arena_for(st, req.device) else {
+    ) -> std::result::Result<Planned, Block> {
+        let Some(i) = self.arena_for(st, req.device) else {
             return Err(block);
         };
+        let generation = self.generation;
+        let a = &mut self.arenas.devices[i];
         st.allocated(a.gauge, block.bytes());
-        cached(st, a.gauge, block.bytes());
-        a.install(block, generation);
-        // The block holds at least the request (the caller allocated what `bump_slow` said).
-        let got = self.bump(st, req).unwrap_or_else(|| {
-            Err(crate::Error::ShapeOverflow {
-                dims: req.dims.to_vec(),
-                dtype: Some(req.dtype),
-            })
-        });
-        if got.is_ok() {
-            // The bump counted a hit; it was a miss.
-            sub(&st.hits, 1);
-            add(&st.misses, 1);
+        add(&st.misses, 1);
+        let awaiting = a.awaiting.take();
+        let size = aligned(req.bytes).unwrap_or(req.bytes);
+        if let Some(Awaiting::Plan { pos, offset, rec }) = awaiting
+            && let Some(plan) = &mut a.plan
+            && plan.block.is_none()
+            && block.bytes() >= plan.layout.footprint
+            && plan.layout.serve(pos, size, rec) == Serve::At(offset)
+        {
+            cached(st, a.gauge, block.bytes());
+            plan.block = Some(ArenaBlock::new(block, generation));
+            // A new block has no earlier work to order after.
+            plan.ready = true;
+            return Ok(self.plan_view(st, i, req, pos, offset, rec));
         }
-        Ok(got)
+        let pos = match awaiting {
+            Some(Awaiting::Plan { rec: pos, .. } | Awaiting::Solo { pos }) => pos,
+            None => NO_POSITION,
+        };
+        Ok(self.solo_view(st, block, req, pos))
     }
 
-    /// The outermost scope exited: resets the blocks no array uses, retires the others, and
-    /// after an overflow keeps one block sized to the step.
+    /// The outermost scope exited: every device's step ends.
     fn end_step(&mut self, st: &Counters) {
-        let generation = self.generation;
-        let mut retired = 0;
-        for a in &mut self.arenas.devices {
-            if a.current.is_none() && a.extra.is_empty() {
-                continue;
-            }
-            let overflowed = !a.extra.is_empty();
-            a.want = a.want.max(a.step);
-            a.step = 0;
-            if !overflowed && a.reset_current(st) {
-                continue;
-            }
-            let mut keep = None;
-            let used: Vec<Used> = mem::take(&mut a.extra)
-                .into_iter()
-                .chain(a.current.take())
-                .collect();
-            for u in used.into_iter().rev() {
-                match a.finish(st, u) {
-                    Finished::Retired => retired += 1,
-                    Finished::Free(block) => {
-                        // After an overflow only a block close to the step's size stays (the
-                        // doubled extra blocks are given back).
-                        let fits = block.bytes() >= a.want
-                            && (!overflowed || block.bytes() - a.want <= a.want / 8);
-                        if keep.is_none() && fits && block.is_idle() {
-                            keep = Some(block);
-                        } else if fits && !overflowed {
-                            a.spares.push(block);
-                        } else {
-                            free_cached(st, a.gauge, block);
-                        }
-                    }
-                }
-            }
-            if let Some(block) = keep {
-                a.install(block, generation);
-            }
-        }
+        let retired: usize = self
+            .arenas
+            .devices
+            .iter_mut()
+            .map(|a| a.end_step(st))
+            .sum();
         self.live += retired;
         self.evict_spares(st, self.config.max_cached_bytes);
     }
 
-    /// Frees what the arenas hold (on `device`, or all) that no array uses: spares and, with
-    /// `pending` (no scope active, or out-of-memory recovery), the step's blocks whose arrays
-    /// have all dropped. With `retire`, blocks
-    /// that arrays still use are retired (invalidation, closing).
-    pub(super) fn free_arenas(
-        &mut self,
-        st: &Counters,
-        device: Option<Device>,
-        pending: bool,
-        retire: bool,
-    ) {
+    /// Gives back what the planned caches hold (on `device`, or all) that no array uses: the
+    /// spares, and the plans' blocks (retired while arrays of them are alive). The plans go too:
+    /// the next step starts cold, and is planned again.
+    pub(super) fn free_arenas(&mut self, st: &Counters, device: Option<Device>) {
         let mut retired = 0;
         for a in &mut self.arenas.devices {
             if device.is_some_and(|d| d != a.device) {
                 continue;
             }
-            for block in mem::take(&mut a.spares) {
-                free_cached(st, a.gauge, block);
+            for spare in std::mem::take(&mut a.spares) {
+                free_cached(st, a.gauge, spare.block);
             }
-            let current = a.current.take();
-            let used: Vec<(Used, bool)> = mem::take(&mut a.extra)
-                .into_iter()
-                .map(|u| (u, false))
-                .chain(current.map(|u| (u, true)))
-                .collect();
-            for (u, is_current) in used {
-                // SAFETY: the step's blocks are the cache's.
-                let views = unsafe { u.arena.as_ref() }.views();
-                let free = views == 0 && pending;
-                if !(free || views > 0 && retire) {
-                    // Its arrays are alive: it stays where it was.
-                    if is_current {
-                        a.current = Some(u);
-                    } else {
-                        a.extra.push(u);
-                    }
-                    continue;
-                }
-                match a.finish(st, u) {
-                    Finished::Retired => retired += 1,
-                    Finished::Free(block) => free_cached(st, a.gauge, block),
-                }
-            }
+            retired += usize::from(a.drop_plan(st));
+            a.awaiting = None;
         }
         self.live += retired;
     }
 
-    /// Takes back a retired block whose last array dropped: a spare, within the byte cap, if it
-    /// is of this generation and large enough; else freed.
-    pub(super) fn take_back(&mut self, st: &Counters, block: Block, generation: u32) {
+    /// Takes back a block whose last array dropped: a solo block whose array outlived its step
+    /// becomes a spare (within the byte cap) if it is of this generation; anything else is freed.
+    pub(super) fn take_back(
+        &mut self,
+        st: &Counters,
+        block: Block,
+        generation: u32,
+        solo: bool,
+        escaped: bool,
+    ) {
         self.live -= 1;
-        let keep = generation == self.generation && self.config.key == KeyPolicy::Arena;
-        let cap = self.config.max_cached_bytes;
-        match self.arenas.of(block.device()) {
-            Some(a) if keep && block.bytes() >= a.want => {
+        let keep = solo && escaped && generation == self.generation && self.config.key.is_planned();
+        match self.arenas.index(block.device()) {
+            Some(i) if keep => {
+                let a = &mut self.arenas.devices[i];
                 cached(st, a.gauge, block.bytes());
-                a.spares.push(block);
-                self.evict_spares(st, cap);
+                let step = a.step;
+                a.spares.push(Spare { block, step });
+                self.evict_spares(st, self.config.max_cached_bytes);
             }
             _ => self.free_arena_block(st, block),
         }
@@ -323,7 +608,7 @@ impl CacheState {
         }
     }
 
-    /// Frees the oldest spare blocks until the spares fit in `cap`.
+    /// Frees the oldest spares until the spares fit in `cap`.
     fn evict_spares(&mut self, st: &Counters, cap: Option<usize>) {
         let Some(cap) = cap else {
             return;
@@ -333,11 +618,11 @@ impl CacheState {
             .devices
             .iter()
             .flat_map(|a| &a.spares)
-            .map(Block::bytes)
+            .map(|s| s.block.bytes())
             .sum();
         for a in &mut self.arenas.devices {
             while spare > cap && !a.spares.is_empty() {
-                let block = a.spares.remove(0);
+                let block = a.spares.remove(0).block;
                 spare -= block.bytes();
                 add(&st.evictions, 1);
                 free_cached(st, a.gauge, block);
@@ -345,26 +630,64 @@ impl CacheState {
         }
     }
 
-    /// Takes back a view of an arena block on the owner thread (lock holder).
+    /// Takes back a view on the owner thread (lock holder): records when it dropped, frees its
+    /// position (unless it was used on another stream: then `tainted`), and takes back a
+    /// retired block whose last view it was.
     #[inline]
-    fn drop_view(&mut self, st: &Counters, arena: BlockPtr) {
+    fn drop_view(
+        &mut self,
+        st: &Counters,
+        arena: BlockPtr,
+        home: &Home,
+        bytes: usize,
+        tainted: bool,
+    ) {
         // SAFETY: a view of the block was alive until now, so the block is.
         let counts = unsafe { arena.as_ref() };
-        if !counts.retired.load(Relaxed) {
-            counts.local.store(counts.local.load(Relaxed) - 1, Relaxed);
-        } else if counts.shared.fetch_sub(1, AcqRel) == 1 {
-            let generation = counts.generation;
+        // A plan's array: its position in the plan; a solo array: its index in the record.
+        let pos = home.slot - VIEW_BASE;
+        let mut escaped = true;
+        if let Some(i) = self.arenas.index(counts.block.device()) {
+            let a = &mut self.arenas.devices[i];
+            escaped = home.generation != a.step;
+            let mut rec = pos;
+            if !counts.retired.load(Relaxed) {
+                counts.local.store(counts.local.load(Relaxed) - 1, Relaxed);
+                // A block that is not retired is its plan's.
+                if let Some(plan) = &mut a.plan {
+                    let size = aligned(bytes).unwrap_or(bytes);
+                    plan.in_use -= size;
+                    cached(st, a.gauge, size);
+                    rec = if tainted {
+                        plan.tainted = true;
+                        plan.layout.rec_of(pos)
+                    } else {
+                        plan.layout.dropped(pos)
+                    };
+                }
+            }
+            if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
+                r.end = a.tick;
+            }
+            if !counts.retired.load(Relaxed) {
+                if a.diverged {
+                    self.live += usize::from(a.release_unused_block(st));
+                }
+                return;
+            }
+        }
+        if counts.shared.fetch_sub(1, AcqRel) == 1 {
+            let (generation, solo) = (counts.generation, counts.solo);
             // SAFETY: the last view is gone; nothing else points at a retired block.
             let block = unsafe { ArenaBlock::into_block(arena) };
-            self.take_back(st, block, generation);
+            self.take_back(st, block, generation, solo, escaped);
         }
     }
 
-    /// Records a bump (`kind` [`EventKind::Hit`]) or a bump from a new block
-    /// ([`EventKind::Miss`]) that made `view`.
+    /// Records a hit or a miss (`kind`) that made `view`.
     #[cold]
     #[inline(never)]
-    fn note_bump(&self, st: &Counters, kind: EventKind, view: &Block) {
+    fn note_view(&self, st: &Counters, kind: EventKind, view: &Block) {
         let device = view.device();
         let gauge = st.find_gauge(device);
         record::push(Note {
@@ -378,80 +701,7 @@ impl CacheState {
     }
 }
 
-/// What became of a block at the end of a step.
-enum Finished {
-    /// Arrays of it are alive: they own it now.
-    Retired,
-    /// No array uses it; still counted in the gauges as the cache's, fully cached.
-    Free(Block),
-}
-
-impl DeviceArena {
-    /// Makes `block` the current block, empty.
-    fn install(&mut self, block: Block, generation: u32) {
-        if let Some(old) = self.current.take() {
-            self.extra.push(old);
-        }
-        self.current = Some(Used {
-            arena: ArenaBlock::new(block, generation),
-            top: 0,
-        });
-        self.fresh = true;
-    }
-
-    /// Makes the current block empty again if no array of it is alive and no device work on
-    /// another stream may still use it (the usual end of a step); says whether it did.
-    fn reset_current(&mut self, st: &Counters) -> bool {
-        let Some(u) = &mut self.current else {
-            return false;
-        };
-        // SAFETY: the current block is the cache's.
-        if unsafe { u.arena.as_ref() }.views() != 0 {
-            return false;
-        }
-        // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`) and
-        // we hold the lock.
-        let block = unsafe { ArenaBlock::block_mut(u.arena) };
-        block.end_use();
-        if !block.is_idle() {
-            return false;
-        }
-        // SAFETY: as above.
-        let counts = unsafe { u.arena.as_ref() };
-        counts.local.store(0, Relaxed);
-        counts.shared.store(0, Relaxed);
-        cached(st, self.gauge, u.top);
-        u.top = 0;
-        self.fresh = true;
-        true
-    }
-
-    /// Ends `u`'s part in the step: retired if arrays of it are alive, else reset.
-    fn finish(&mut self, st: &Counters, u: Used) -> Finished {
-        // SAFETY: the step's blocks are the cache's.
-        let counts = unsafe { u.arena.as_ref() };
-        let cap = counts.block.bytes();
-        if counts.views() > 0 {
-            // The rest of the block is not bumped from again: in use until it comes back.
-            uncached(st, self.gauge, cap - u.top);
-            counts.retired.store(true, Relaxed);
-            let local = counts.local.swap(0, Relaxed) as isize;
-            if counts.shared.fetch_add(local, AcqRel) + local > 0 {
-                return Finished::Retired;
-            }
-            // Every array dropped meanwhile on another thread: it is ours again.
-            cached(st, self.gauge, cap);
-        } else {
-            cached(st, self.gauge, u.top);
-        }
-        // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
-        Finished::Free(unsafe { ArenaBlock::into_block(u.arena) })
-    }
-}
-
 impl CacheCell {
-    /// Applies `config` (lock holder): the arena flag follows the key policy, and stays set
-    /// while arrays of an arena may be alive.
     /// Applies the options of `configure` call `seq`, unless the cache applied a later call's.
     pub(super) fn configure_locked(
         &self,
@@ -468,59 +718,31 @@ impl CacheCell {
         self.sync_arena_flag(state);
     }
 
-    /// Sets the [`ARENA`] flag for an arena cache, and clears it once a cache that is no longer
-    /// one holds no arena block and no array of it is alive (`live` counts retired arena
-    /// blocks, and arrays of free lists: a conservative test).
+    /// Sets the [`ARENA`] flag for a planned cache, and clears it once a cache that is no longer
+    /// one holds no plan block or spare and no array of it is alive (`live` counts retired and
+    /// solo blocks, and arrays of free lists: a conservative test).
     fn sync_arena_flag(&self, state: &mut CacheState) {
         let set = self.flags.load(Relaxed) & ARENA != 0;
-        if state.config.key == KeyPolicy::Arena {
+        if state.config.key.is_planned() {
             if !set {
                 self.flags.fetch_or(ARENA, Relaxed);
             }
         } else if set {
-            state.free_arenas(&self.stats, None, true, false);
+            state.free_arenas(&self.stats, None);
             if state.arenas.is_empty() && state.live == 0 {
                 self.flags.fetch_and(!ARENA, Relaxed);
             }
         }
     }
 
-    /// The hit path of an arena cache: a bump from the current block. Call only on this
-    /// thread's current (hence active) cache. `None` for any other cache, a recorded or closed
-    /// one, and when the block has no room (or preparing it failed): [`CacheCell::take`] then
-    /// serves the request (and reports the failure).
-    #[inline]
-    pub(crate) fn bump(&self, req: &Request<'_>) -> Option<(Block, Home)> {
-        if self.flags.load(Relaxed) != ARENA {
-            return None;
-        }
-        debug_assert!(self.is_owned_here() && self.is_active());
-        // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
-        let state = unsafe { self.locked() };
-        if state.config.key != KeyPolicy::Arena {
-            return None;
-        }
-        let view = state.bump(&self.stats, req)?.ok()?;
-        Some((view, self.home(VIEW_SLOT, state.generation)))
-    }
-
-    /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for an arena cache a bump, or
-    /// the size of a new block. A cache that is no longer one (its arrays keep the flag set)
-    /// first looks up its free list as the hit path does (`None`: go on as for any cache).
+    /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for a planned cache the whole
+    /// allocation. A cache that is no longer one (its arrays keep the flag set) first looks up
+    /// its free list as the hit path does (`None`: go on as for any cache).
     #[inline(never)]
     pub(super) fn take_flagged(&self, state: &mut CacheState, req: &Request<'_>) -> Option<Take> {
-        if state.config.key == KeyPolicy::Arena {
-            // A bump is the hit path: it takes nothing in, as a free-list hit does not.
-            if let Some(got) = state.bump(&self.stats, req) {
-                return Some(self.bumped(state, Ok(got)));
-            }
-            self.drain_returned(state, true);
-            state.poll_deferred(&self.stats);
-            let got = match state.bump(&self.stats, req) {
-                Some(got) => Ok(got),
-                None => state.bump_slow(&self.stats, req),
-            };
-            return Some(self.bumped(state, got));
+        if state.config.key.is_planned() {
+            let planned = state.planned(&self.stats, req);
+            return Some(self.planned_take(state, planned, EventKind::Hit));
         }
         if self.traced() {
             return None;
@@ -530,57 +752,49 @@ impl CacheCell {
         Some(Take::Hit(block, self.home(slot, state.generation)))
     }
 
-    /// What a bump (or the slow path's) gives the caller.
+    /// What the planned path gives the caller (a view recorded as `kind` when tracing).
     #[inline(always)]
-    fn bumped(
-        &self,
-        state: &mut CacheState,
-        got: std::result::Result<Result<Block>, Grow>,
-    ) -> Take {
-        match got {
-            Ok(Ok(view)) => {
+    fn planned_take(&self, state: &mut CacheState, planned: Planned, kind: EventKind) -> Take {
+        match planned {
+            Planned::View(view, slot, step) => {
                 if self.traced() {
-                    state.note_bump(&self.stats, EventKind::Hit, &view);
+                    state.note_view(&self.stats, kind, &view);
                 }
-                Take::Hit(view, self.home(VIEW_SLOT, state.generation))
+                Take::Hit(view, self.home(slot, step))
             }
-            Ok(Err(e)) => Take::Failed(e),
-            Err(Grow::Alloc(capacity)) => Take::Miss {
-                capacity,
-                shared: true,
-            },
-            Err(Grow::Bypass) => Take::Bypass,
+            Planned::Alloc { capacity, shared } => Take::Miss { capacity, shared },
+            Planned::Bypass => Take::Bypass,
+            Planned::Failed(e) => Take::Failed(e),
         }
     }
 
-    /// [`CacheCell::adopt`] for an arena cache: `block` becomes the current block.
+    /// [`CacheCell::adopt`] for a planned cache: a view of `block`, which becomes the plan's
+    /// block or a solo block.
     pub(super) fn adopt_arena(
         &self,
         state: &mut CacheState,
         req: &Request<'_>,
         block: Block,
     ) -> Result<Got> {
-        match state.adopt_block(&self.stats, req, block) {
-            Ok(view) => {
-                let view = view?;
-                if self.traced() {
-                    state.note_bump(&self.stats, EventKind::Miss, &view);
-                }
-                Ok(Got::Recycled(view, self.home(VIEW_SLOT, state.generation)))
-            }
+        match state.adopt_planned(&self.stats, req, block) {
+            Ok(planned) => match self.planned_take(state, planned, EventKind::Miss) {
+                Take::Hit(view, home) => Ok(Got::Recycled(view, home)),
+                Take::Failed(e) => Err(e),
+                Take::Miss { .. } | Take::Bypass => unreachable!("an adopted block makes a view"),
+            },
             Err(block) => Ok(Got::Fresh(block, None)),
         }
     }
 
     /// [`CacheCell::exit`] of a cache that is not [plain](CacheCell::is_plain): the outermost
-    /// exit of an arena cache ends its step first, and a traced cache records the exit.
+    /// exit of a planned cache ends its step first, and a traced cache records the exit.
     #[cold]
     #[inline(never)]
     pub(crate) fn exit_slow(&self) {
         if self.flags.load(Relaxed) & ARENA != 0 && self.depth.load(Relaxed) == 1 {
             // SAFETY: (see `locked`) the owner thread, inside the outermost scope of the cell.
             let state = unsafe { self.locked() };
-            // Retired blocks returned meanwhile first: they may be spares for the next step.
+            // Blocks returned meanwhile first: they may be spares for the next step.
             self.drain_returned(state, false);
             state.end_step(&self.stats);
             self.sync_arena_flag(state);
@@ -592,16 +806,15 @@ impl CacheCell {
         }
     }
 
-    /// Returns a view of an arena block from any thread. On the owner thread (cell open) it
-    /// goes back under the lock; elsewhere only the block's count changes, and the last view of
-    /// a retired block sends the block home.
+    /// Returns a view from any thread. On the owner thread (cell open) it goes back under the
+    /// lock; elsewhere only the block's count changes, and the last view of a retired block
+    /// sends the block home.
     ///
     /// Inlined, so that the view is taken apart in the drop's own frame rather than moved into
-    /// another one; the rest is out of line, in [`CacheCell::view_dropped`]. (The `hit_path`
-    /// bench and an instruction count of alloc + drop show what such moves cost.)
+    /// another one; the rest is out of line, in [`CacheCell::view_dropped`].
     #[inline(always)]
     pub(super) fn send_view_home(home: Home, view: Block, current: *const CacheCell) {
-        // The view's backend is its arena block (see `CacheState::bump`).
+        // The view's backend is its arena block (see `CacheState::plan_view`).
         let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };
@@ -609,9 +822,10 @@ impl CacheCell {
         if view.cuda().is_some() {
             return Self::send_cuda_view_home(home, view, arena, current);
         }
+        let bytes = view.bytes();
         // SAFETY: `view` was made by `Block::view`.
         unsafe { view.drop_view() };
-        Self::view_dropped(home, arena, current);
+        Self::view_dropped(home, arena, current, bytes, false);
     }
 
     /// [`CacheCell::send_view_home`] of a view of device memory: the streams it was used on
@@ -624,37 +838,50 @@ impl CacheCell {
         arena: BlockPtr,
         current: *const CacheCell,
     ) {
+        let mut tainted = false;
         if let Some(v) = view.cuda_mut() {
             // SAFETY: the block is alive while a view of it is.
             if let Some(parent) = unsafe { arena.as_ref() }.block.cuda() {
-                v.hand_marks_to(parent);
+                tainted = v.hand_marks_to(parent);
             }
         }
+        let bytes = view.bytes();
         // SAFETY: `view` was made by `Block::view`.
         unsafe { view.drop_view() };
-        Self::view_dropped(home, arena, current);
+        Self::view_dropped(home, arena, current, bytes, tainted);
     }
 
-    /// A view of `arena` was dropped: counts it, and the last view of a retired block sends the
-    /// block home.
+    /// A view of `bytes` bytes of `arena` was dropped: counts it, and the last view of a
+    /// retired block sends the block home.
     #[inline(never)]
-    fn view_dropped(home: Home, arena: BlockPtr, current: *const CacheCell) {
-        // SAFETY: the block is alive while it is current or retired with views (this one was
+    fn view_dropped(
+        home: Home,
+        arena: BlockPtr,
+        current: *const CacheCell,
+        bytes: usize,
+        tainted: bool,
+    ) {
+        // SAFETY: the block is alive while it is the plan's or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };
         if std::ptr::eq(current, cell) && !cell.is_closed() {
             // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
             // is the owner thread, inside a scope of the cell.
             let state = unsafe { cell.locked() };
-            state.drop_view(&cell.stats, arena);
+            state.drop_view(&cell.stats, arena, &home, bytes, tainted);
         } else if cell.is_owned_here() && !cell.is_closed() {
-            cell.owned(|state, st| state.drop_view(st, arena));
+            cell.owned(|state, st| state.drop_view(st, arena, &home, bytes, tainted));
         } else {
             // SAFETY: as above.
             let counts = unsafe { arena.as_ref() };
             if counts.shared.fetch_sub(1, AcqRel) == 1 {
                 let home = Home {
                     generation: counts.generation,
+                    slot: if counts.solo {
+                        RETURNED_SOLO
+                    } else {
+                        RETURNED_PLAN
+                    },
                     ..home
                 };
                 // SAFETY: that was the last view of a retired block.

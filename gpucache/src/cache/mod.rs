@@ -56,14 +56,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU32, Ordering::*};
 
 use crate::backend::Block;
-use crate::config::{CacheConfig, KeyPolicy};
+use crate::config::CacheConfig;
 use crate::metrics::CacheStats;
 use crate::thread;
 use crate::trace::record::{self, EventKind};
 use crate::{DType, Device};
 use counters::{Counters, DeviceBytes, add};
 
-use arena::block::VIEW_SLOT;
+use arena::block::is_arena_slot;
 use lock::{CellLock, REQUESTED};
 pub(crate) use remote::Requests;
 use remote::{RemoteSide, send_home_remote};
@@ -93,8 +93,9 @@ pub(crate) struct Request<'a> {
 /// Invariant: while a `Home` exists, the block it came with is counted in its cell's `live`
 /// (or, once the cell is closed, in `orphans`), so the cell is alive.
 ///
-/// An arena array's `Home` has `slot` [`VIEW_SLOT`], and its block is a view of an arena block
-/// (see the `arena` module).
+/// An array of a planned cache has a `slot` at or above `VIEW_BASE` (its position in its step) and
+/// the number of that step as `generation`, and its block is a view of an arena block (see the
+/// `arena` module).
 ///
 /// Free lists are never removed or renumbered (invalidation empties them), so `slot` always
 /// names the free list of this block's key, and a generation that wrapped around could at worst
@@ -200,7 +201,7 @@ impl CacheCell {
             depth: AtomicU32::new(0),
             flags: AtomicU8::new(
                 if record::on() { TRACED } else { 0 }
-                    | if config.key == KeyPolicy::Arena {
+                    | if config.key.is_planned() {
                         ARENA
                     } else {
                         0
@@ -512,7 +513,7 @@ impl CacheCell {
     /// array gets: the block, or for an arena cache a view of it.
     pub(crate) fn adopt(&self, req: &Request<'_>, block: Block) -> crate::Result<Got> {
         self.owned(|state, st| {
-            if state.config.key == KeyPolicy::Arena {
+            if state.config.key.is_planned() {
                 return self.adopt_arena(state, req, block);
             }
             let Some(slot) = state.slot_of(st, req) else {
@@ -597,7 +598,7 @@ impl CacheCell {
         self.owned(|state, st| {
             state.flush(st, None);
             state.free_waiting(st, None);
-            state.free_arenas(st, None, true, true);
+            state.free_arenas(st, None);
             let mut remote = self.remote.state.lock();
             for (g, bytes) in remote.released.drain(..) {
                 state.live -= 1;
@@ -605,7 +606,7 @@ impl CacheCell {
             }
             for r in remote.queue.drain(..) {
                 state.live -= 1;
-                if r.slot == VIEW_SLOT {
+                if is_arena_slot(r.slot) {
                     state.free_arena_block(st, r.block);
                 } else {
                     state.free(st, r.slot, r.block);
@@ -649,7 +650,7 @@ fn send_home(home: Home, block: Block, current: *const CacheCell) {
         // owner thread, inside a scope of the cell.
         let state = unsafe { cell.locked() };
         state.put_back(&cell.stats, true, home.slot, home.generation, block);
-    } else if home.slot == VIEW_SLOT {
+    } else if is_arena_slot(home.slot) {
         CacheCell::send_view_home(home, block, current);
     } else if cell.traced() {
         traced::send_home_traced(home, block, current);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::arena::block::VIEW_SLOT;
+use super::arena::block::{RETURNED_SOLO, is_arena_slot};
 use super::counters::GaugeIx;
 use super::lock::RETURNED;
 use super::state::{CacheState, ConfigSeq};
@@ -20,8 +20,8 @@ use crate::backend::Block;
 use crate::config::CacheConfig;
 use crate::trace::record;
 
-/// A buffer returned by another thread, waiting for the owner (`slot` [`VIEW_SLOT`]: a retired arena
-/// block whose last array dropped).
+/// A buffer returned by another thread, waiting for the owner (`slot` `RETURNED_SOLO` or
+/// `RETURNED_PLAN`: an arena block whose last array dropped).
 pub(super) struct Returned {
     pub(super) block: Block,
     pub(super) slot: u32,
@@ -123,8 +123,9 @@ impl CacheCell {
         }
         let traced = record::on();
         for r in returned {
-            if r.slot == VIEW_SLOT {
-                state.take_back(&self.stats, r.block, r.generation);
+            if is_arena_slot(r.slot) {
+                let solo = r.slot == RETURNED_SOLO;
+                state.take_back(&self.stats, r.block, r.generation, solo, true);
             } else if traced {
                 state.put_back_traced(&self.stats, active, r.slot, r.generation, r.block);
             } else {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use hashbrown::HashTable;
 
 use super::Request;
-use super::arena::block::Arenas;
+use super::arena::Arenas;
 use super::counters::{Counters, GaugeIx, add, sub};
 use super::key::{Entry, Key, KeyRef};
 use crate::Device;
@@ -104,17 +104,18 @@ impl CacheState {
     /// The key of `req` under this cache's policy.
     #[inline]
     pub(super) fn key<'a>(&self, req: &Request<'a>) -> KeyRef<'a> {
-        match self.config.key {
-            // Arena caches bump instead of looking keys up; this key is never used.
-            KeyPolicy::Exact | KeyPolicy::Arena => KeyRef::Exact {
+        if self.config.key == KeyPolicy::SizeClass {
+            KeyRef::Class {
+                bytes: self.config.key.capacity(req.bytes),
+                device: req.device,
+            }
+        } else {
+            // (Planned caches do not look keys up; their key is never used.)
+            KeyRef::Exact {
                 dtype: req.dtype,
                 device: req.device,
                 dims: req.dims,
-            },
-            KeyPolicy::SizeClass => KeyRef::Class {
-                bytes: self.config.key.capacity(req.bytes),
-                device: req.device,
-            },
+            }
         }
     }
 
@@ -134,7 +135,10 @@ impl CacheState {
         if let Some(slot) = self.find(key) {
             return Some(slot);
         }
-        let slot = u32::try_from(self.slots.len()).ok()?;
+        // Slots from `VIEW_BASE` up are planned arrays' (see the `arena` module).
+        let slot = u32::try_from(self.slots.len())
+            .ok()
+            .filter(|&s| !super::arena::block::is_arena_slot(s))?;
         let gauge = st.gauge_for(req.device)?;
         let entry = Entry {
             hash: key.hash(),
@@ -329,7 +333,7 @@ impl CacheState {
     /// `pending`, the buffers dropped inside the active scope.
     pub(super) fn give_back(&mut self, st: &Counters, device: Option<Device>, pending: bool) {
         self.flush(st, device);
-        self.free_arenas(st, device, pending, false);
+        self.free_arenas(st, device);
         let kept = if pending {
             Vec::new()
         } else {
@@ -345,7 +349,7 @@ impl CacheState {
     pub(super) fn invalidate(&mut self, st: &Counters) {
         self.flush(st, None);
         self.free_waiting(st, None);
-        self.free_arenas(st, None, true, true);
+        self.free_arenas(st, None);
         self.lru.clear();
         self.generation = self.generation.wrapping_add(1);
         #[cfg(feature = "tracing")]

@@ -1,6 +1,7 @@
 //! Arena blocks: one device allocation each, in an `Arc` of its own, handed out to arrays as
 //! views, with the biased count of the views alive (see the `arena` module for how they are
-//! used). This file holds the data and its `unsafe` handling; it knows nothing of the cache state.
+//! used), and the `slot`s of their arrays' homes. This file holds the data and its `unsafe`
+//! handling; it knows nothing of the cache state.
 
 use std::fmt;
 use std::ptr::NonNull;
@@ -8,19 +9,34 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering::*};
 
 use crate::backend::{AllocError, Backend, Block, Storage};
-use crate::cache::counters::GaugeIx;
 use crate::{Device, DeviceStats, Result};
 
-/// The `slot` of the [`Home`](crate::cache::Home) of every arena array.
-pub(in crate::cache) const VIEW_SLOT: u32 = u32::MAX;
+/// The `slot` of an arena array's [`Home`](crate::cache::Home) is `VIEW_BASE` plus its position
+/// in its step (see the `arena` module), [`NO_POSITION`] when it has none; free lists are
+/// numbered below it.
+pub(in crate::cache) const VIEW_BASE: u32 = 1 << 31;
 
-/// Arrays start at multiples of this many bytes in their block (as `cudaMalloc` aligns).
-pub(crate) const ALIGN: usize = 256;
+/// The position of an array past the most a step records.
+pub(in crate::cache) const NO_POSITION: u32 = (1 << 31) - 3;
 
-/// `bytes` rounded up to [`ALIGN`] (`None` past the largest size).
+/// The `slot` of a returned block of its own (served apart) whose array dropped on another thread.
+pub(in crate::cache) const RETURNED_SOLO: u32 = u32::MAX;
+
+/// The `slot` of a returned retired plan block whose last array dropped on another thread.
+pub(in crate::cache) const RETURNED_PLAN: u32 = u32::MAX - 1;
+
+/// Whether a `slot` is an arena array's or a returned arena block's (not a free list's).
+#[inline(always)]
+pub(in crate::cache) fn is_arena_slot(slot: u32) -> bool {
+    slot >= VIEW_BASE
+}
+
+
+
+/// `bytes` rounded up to [`ALIGN`](crate::planner::ALIGN) (`None` past the largest size).
 #[inline]
 pub(in crate::cache) fn aligned(bytes: usize) -> Option<usize> {
-    bytes.checked_next_multiple_of(ALIGN)
+    crate::planner::aligned(bytes)
 }
 
 /// One block of an arena cache and the count of arrays bumped from it; the backend of its
@@ -35,6 +51,8 @@ pub(in crate::cache) struct ArenaBlock {
     pub(in crate::cache) retired: AtomicBool,
     /// The cache's generation when the block was made.
     pub(in crate::cache) generation: u32,
+    /// A block of its own for one array (served apart), retired from the start; else a plan's.
+    pub(in crate::cache) solo: bool,
     /// The pointer `Arc::into_raw` gave for this block (set once, when it is made).
     pub(in crate::cache) this: AtomicPtr<ArenaBlock>,
 }
@@ -78,13 +96,25 @@ impl Backend for ArenaBlock {
 pub(in crate::cache) type BlockPtr = NonNull<ArenaBlock>;
 
 impl ArenaBlock {
+    /// A plan's block, with no view yet.
     pub(in crate::cache) fn new(block: Block, generation: u32) -> BlockPtr {
+        Self::make(block, generation, false)
+    }
+
+    /// A block of its own for one array, retired from the start with that one view counted:
+    /// the view's drop, on any thread, takes it back.
+    pub(in crate::cache) fn new_solo(block: Block, generation: u32) -> BlockPtr {
+        Self::make(block, generation, true)
+    }
+
+    fn make(block: Block, generation: u32, solo: bool) -> BlockPtr {
         let arena = Arc::new(ArenaBlock {
             block,
             local: AtomicUsize::new(0),
-            shared: AtomicIsize::new(0),
-            retired: AtomicBool::new(false),
+            shared: AtomicIsize::new(isize::from(solo)),
+            retired: AtomicBool::new(solo),
             generation,
+            solo,
             this: AtomicPtr::new(std::ptr::null_mut()),
         });
         let this = Arc::into_raw(arena).cast_mut();
@@ -127,56 +157,5 @@ impl ArenaBlock {
     /// The views alive (lock holder, before retirement).
     pub(in crate::cache) fn views(&self) -> isize {
         self.local.load(Relaxed) as isize + self.shared.load(Acquire)
-    }
-}
-
-/// A block of the current step and the bytes bumped from it.
-pub(in crate::cache) struct Used {
-    pub(in crate::cache) arena: BlockPtr,
-    pub(in crate::cache) top: usize,
-}
-
-// SAFETY: a `Used` is part of a cache's state, reached only by the holder of its lock (on any
-// thread); it stands for the cache's count of an `Arc<ArenaBlock>`, whose fields are `Send` and
-// `Sync` (a block, and atomics).
-unsafe impl Send for Used {}
-
-/// The arena of one device.
-pub(in crate::cache) struct DeviceArena {
-    pub(in crate::cache) device: Device,
-    pub(in crate::cache) gauge: GaugeIx,
-    /// The block bumped from; `None` until the first bump of a step finds one.
-    pub(in crate::cache) current: Option<Used>,
-    /// Earlier blocks of this step (it overflowed them).
-    pub(in crate::cache) extra: Vec<Used>,
-    /// Whether `current` has not been bumped from since it became current.
-    pub(in crate::cache) fresh: bool,
-    /// Bytes bumped in this step.
-    pub(in crate::cache) step: usize,
-    /// The size of the next block: the most bytes a step has bumped.
-    pub(in crate::cache) want: usize,
-    /// Blocks no array uses, oldest first (a device may still be using those waiting for
-    /// events on other streams).
-    pub(in crate::cache) spares: Vec<Block>,
-}
-
-/// The arenas of a cache: one per device it has allocated on.
-#[derive(Default)]
-pub(in crate::cache) struct Arenas {
-    pub(in crate::cache) devices: Vec<DeviceArena>,
-}
-
-impl Arenas {
-    /// The arena of `device`, if it has one.
-    #[inline]
-    pub(in crate::cache) fn of(&mut self, device: Device) -> Option<&mut DeviceArena> {
-        self.devices.iter_mut().find(|a| a.device == device)
-    }
-
-    /// Whether no arena holds a block (retired blocks aside).
-    pub(in crate::cache) fn is_empty(&self) -> bool {
-        self.devices
-            .iter()
-            .all(|a| a.current.is_none() && a.extra.is_empty() && a.spares.is_empty())
     }
 }

@@ -1,0 +1,391 @@
+//! A plan's positions and the check that makes it safe: where the k-th allocation of a step goes
+//! in the plan's block, and whether it may go there now.
+//!
+//! A [`Layout`] is made from one step's [record](Rec): every position (the k-th allocation of the
+//! step on the device) with its aligned size and the tick its array dropped. Positions whose
+//! array outlived the step are *apart*: served outside the plan. The others get offsets from
+//! [`greedy_by_size`], so that two positions whose recorded lifetimes overlap never share bytes.
+//!
+//! In a later step, position k may be served at its offset only if no array the plan placed
+//! there is still alive. An array alive at tick k whose planned end is after k overlaps k's
+//! planned lifetime, so the plan put it elsewhere: only arrays alive *past their planned end*
+//! can be in the way. Those are few, and listed: at each tick the positions planned to end
+//! there that are still alive become *overdue*, and so does every position still alive when the
+//! step ends. Position k is served when it is not alive itself and its bytes overlap no overdue
+//! position's. That holds whatever the step does (an array kept alive, an escape, a drop the
+//! owner does not see), so a live array's memory is never handed out twice. The check is O(1)
+//! on a step that follows its plan (no overdue position), O(overdue) otherwise.
+
+use crate::planner::{Lifetime, greedy_by_size};
+
+/// [`Rec::end`] of an array still alive.
+pub(super) const OPEN: u32 = u32::MAX;
+
+/// No position: [`Rec::planned`] of an allocation the plan did not match.
+pub(super) const NONE: u32 = u32::MAX;
+
+/// The most positions planned apart that one allocation skips to find its own.
+const MAX_SKIP: u32 = 256;
+
+/// One allocation of a step as recorded: its aligned size, the tick before which it dropped
+/// ([`OPEN`] while alive), and the plan's position it was matched with ([`NONE`] if none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Rec {
+    pub(super) bytes: usize,
+    pub(super) end: u32,
+    pub(super) planned: u32,
+}
+
+/// One position of a plan.
+#[derive(Clone, Copy, Debug)]
+struct Spot {
+    offset: usize,
+    /// The most aligned bytes the position may take; for a position apart, the recorded size.
+    size: usize,
+    /// The tick its array is planned to drop before.
+    end: u32,
+    /// Outlived its step in the recorded step: served apart.
+    apart: bool,
+    /// Its array (served from the plan) is alive, or its bytes are still taken.
+    live: bool,
+    /// Alive past its planned end: listed in [`Layout::overdue`].
+    overdue: bool,
+    /// The step's allocation (its index in the record) served here this step.
+    rec: u32,
+}
+
+/// What the plan says of one allocation.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Serve {
+    /// At this offset of the block.
+    At(usize),
+    /// Apart, as planned: the recorded array outlived its step.
+    Apart,
+    /// Not from the plan: larger than planned, past the plan's end, or its bytes are taken.
+    Diverged,
+}
+
+/// The positions of a plan, their offsets, and which are alive.
+#[derive(Debug)]
+pub(super) struct Layout {
+    spots: Vec<Spot>,
+    /// The positions planned to end at each tick `t`: `by_end[end_at[t]..end_at[t + 1]]`.
+    by_end: Vec<u32>,
+    end_at: Vec<u32>,
+    /// Positions alive past their planned end.
+    overdue: Vec<u32>,
+    /// The next position to match.
+    cursor: u32,
+    /// Ticks below this have had their planned ends processed.
+    ticked: u32,
+    /// This step skipped positions apart, or left positions unmatched.
+    pub(super) skipped: bool,
+    /// The block's size: the end of the highest position.
+    pub(super) footprint: usize,
+}
+
+impl Layout {
+    /// The plan of a step recorded as `record`. An allocation matched with a position of `old`
+    /// takes the larger of the two sizes, so that both steps fit.
+    pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
+        let n = record.len() as u32;
+        let mut spots: Vec<Spot> = record
+            .iter()
+            .map(|r| {
+                let was = old
+                    .and_then(|o| o.spots.get(r.planned as usize))
+                    .filter(|s| !s.apart);
+                let apart = r.end == OPEN;
+                Spot {
+                    offset: 0,
+                    size: if apart {
+                        r.bytes
+                    } else {
+                        r.bytes.max(was.map_or(0, |s| s.size))
+                    },
+                    end: if apart { n } else { r.end.min(n) },
+                    apart,
+                    live: false,
+                    overdue: false,
+                    rec: NONE,
+                }
+            })
+            .collect();
+        let placed: Vec<u32> = (0..n).filter(|&k| !spots[k as usize].apart).collect();
+        let lives: Vec<Lifetime> = placed
+            .iter()
+            .map(|&k| {
+                let s = spots[k as usize];
+                Lifetime {
+                    bytes: s.size,
+                    start: k,
+                    end: s.end.max(k + 1),
+                }
+            })
+            .collect();
+        let plan = greedy_by_size(&lives);
+        for (&k, offset) in placed.iter().zip(plan.offsets) {
+            spots[k as usize].offset = offset;
+        }
+        // Positions by planned end (a counting sort).
+        let mut end_at = vec![0u32; n as usize + 2];
+        for s in &spots {
+            end_at[s.end as usize + 1] += 1;
+        }
+        for t in 1..end_at.len() {
+            end_at[t] += end_at[t - 1];
+        }
+        let mut fill = end_at.clone();
+        let mut by_end = vec![0u32; spots.len()];
+        for (k, s) in spots.iter().enumerate() {
+            by_end[fill[s.end as usize] as usize] = k as u32;
+            fill[s.end as usize] += 1;
+        }
+        Layout {
+            spots,
+            by_end,
+            end_at,
+            overdue: Vec::new(),
+            cursor: 0,
+            ticked: 0,
+            skipped: false,
+            footprint: plan.footprint,
+        }
+    }
+
+    /// Processes the planned ends of the ticks up to `t`: positions planned to end there that
+    /// are still alive become overdue.
+    #[inline]
+    fn tick_to(&mut self, t: u32) {
+        while self.ticked <= t {
+            let k = self.ticked as usize;
+            self.ticked += 1;
+            let Some(&hi) = self.end_at.get(k + 1) else {
+                return;
+            };
+            for i in self.end_at[k]..hi {
+                let p = self.by_end[i as usize];
+                self.make_overdue(p);
+            }
+        }
+    }
+
+    fn make_overdue(&mut self, p: u32) {
+        let s = &mut self.spots[p as usize];
+        if s.live && !s.overdue {
+            s.overdue = true;
+            self.overdue.push(p);
+        }
+    }
+
+    /// Matches the step's next allocation, of `size` aligned bytes and index `rec` in the
+    /// step's record, with the plan's next position: positions apart that it cannot be are
+    /// skipped (the recorded step allocated something there that this one does not), a position
+    /// placed is taken even when it does not fit (the same allocation, grown). Returns what the
+    /// plan says and the position ([`NONE`] past the plan's end). [`Serve::At`] marks the
+    /// position alive.
+    #[inline]
+    pub(super) fn next(&mut self, size: usize, rec: u32) -> (Serve, u32) {
+        let mut c = self.cursor;
+        loop {
+            self.tick_to(c);
+            let Some(s) = self.spots.get(c as usize) else {
+                return (Serve::Diverged, NONE);
+            };
+            if s.apart {
+                // An array outliving its step may change size from step to step (a cache of
+                // keys and values grows): it matches within a factor of two.
+                let near = size / 2 <= s.size && s.size / 2 <= size;
+                if !near && c - self.cursor < MAX_SKIP {
+                    self.skipped = true;
+                    c += 1;
+                    continue;
+                }
+                self.cursor = c + 1;
+                return (Serve::Apart, c);
+            }
+            self.cursor = c + 1;
+            return (self.serve(c, size, rec), c);
+        }
+    }
+
+    /// Whether position `k` of `size` aligned bytes may be served at its offset now (for the
+    /// allocation `rec` of the step); [`Serve::At`] marks it alive.
+    #[inline]
+    pub(super) fn serve(&mut self, k: u32, size: usize, rec: u32) -> Serve {
+        let s = &self.spots[k as usize];
+        if size > s.size || s.live {
+            return Serve::Diverged;
+        }
+        let (lo, hi) = (s.offset, s.offset + s.size);
+        if !self.overdue.is_empty() && self.overdue.iter().any(|&p| self.overlaps(p, lo, hi)) {
+            return Serve::Diverged;
+        }
+        let offset = s.offset;
+        let s = &mut self.spots[k as usize];
+        s.live = true;
+        s.rec = rec;
+        Serve::At(offset)
+    }
+
+    /// Whether position `p`'s bytes meet `[lo, hi)`.
+    fn overlaps(&self, p: u32, lo: usize, hi: usize) -> bool {
+        let s = &self.spots[p as usize];
+        s.offset < hi && lo < s.offset + s.size
+    }
+
+    /// The array at position `k`, served from the plan, dropped: its bytes are free. Returns
+    /// the index in the record of the allocation served there last.
+    #[inline]
+    pub(super) fn dropped(&mut self, k: u32) -> u32 {
+        let Some(s) = self.spots.get_mut(k as usize) else {
+            return NONE;
+        };
+        s.live = false;
+        if s.overdue {
+            s.overdue = false;
+            self.overdue.retain(|&p| p != k);
+        }
+        s.rec
+    }
+
+    /// The index in the record of the allocation served at position `k` last.
+    pub(super) fn rec_of(&self, k: u32) -> u32 {
+        self.spots.get(k as usize).map_or(NONE, |s| s.rec)
+    }
+
+    /// The step ended: every position still alive is overdue (it is in the way of the next
+    /// step's positions over it until it drops). Returns whether the step matched the plan to
+    /// its end, with no position skipped.
+    pub(super) fn end_step(&mut self) -> bool {
+        for p in 0..self.spots.len() as u32 {
+            self.make_overdue(p);
+        }
+        let whole = !self.skipped && self.cursor as usize == self.spots.len();
+        self.cursor = 0;
+        self.ticked = 0;
+        self.skipped = false;
+        whole
+    }
+
+    /// The offset and size of position `k` (tests).
+    #[cfg(test)]
+    fn spot(&self, k: u32) -> (usize, usize) {
+        let s = &self.spots[k as usize];
+        (s.offset, s.size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(bytes: usize, end: u32) -> Rec {
+        Rec {
+            bytes,
+            end,
+            planned: NONE,
+        }
+    }
+
+    /// a [0,2) b [1,3) c [2,4) d escapes: c takes a's bytes, d is apart.
+    fn step() -> Vec<Rec> {
+        vec![rec(256, 2), rec(512, 3), rec(256, 4), rec(256, OPEN)]
+    }
+
+    fn at(l: &mut Layout, size: usize) -> Option<usize> {
+        match l.next(size, 0).0 {
+            Serve::At(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_repeated_step_is_served_at_its_offsets() {
+        let mut l = Layout::new(&step(), None);
+        assert_eq!(l.footprint, 768);
+        assert_eq!(l.spot(0), l.spot(2));
+        for round in 0..3 {
+            let a = at(&mut l, 256);
+            let b = at(&mut l, 512);
+            l.dropped(0);
+            let c = at(&mut l, 200);
+            assert!(a.is_some() && b.is_some());
+            assert_eq!(a, c, "round {round}");
+            assert_ne!(a, b);
+            assert_eq!(l.next(300, 3), (Serve::Apart, 3));
+            l.dropped(1);
+            l.dropped(2);
+            assert!(l.end_step());
+        }
+    }
+
+    #[test]
+    fn an_array_kept_past_its_planned_end_keeps_its_bytes() {
+        let mut l = Layout::new(&step(), None);
+        assert!(at(&mut l, 256).is_some());
+        assert!(at(&mut l, 512).is_some());
+        // a is still alive at tick 2: c, planned over it, is not served there.
+        assert_eq!(l.next(256, 2), (Serve::Diverged, 2));
+        l.dropped(0);
+        l.dropped(1);
+        l.end_step();
+        // Next step: nothing is alive, all served.
+        assert!(at(&mut l, 256).is_some());
+    }
+
+    #[test]
+    fn an_array_alive_across_steps_blocks_its_bytes_and_its_own_position() {
+        let mut l = Layout::new(&step(), None);
+        assert!(at(&mut l, 256).is_some());
+        assert!(at(&mut l, 512).is_some());
+        l.dropped(1);
+        // a (position 0) is overdue: c over it diverges.
+        assert_eq!(l.next(256, 2).0, Serve::Diverged);
+        l.end_step();
+        // a escaped the step: positions 0 and 2 (same bytes) are taken; b is not.
+        assert_eq!(l.next(256, 0).0, Serve::Diverged);
+        assert!(at(&mut l, 512).is_some());
+        l.dropped(0);
+        assert!(at(&mut l, 256).is_some());
+    }
+
+    #[test]
+    fn positions_apart_that_do_not_recur_are_skipped() {
+        // The first step made two arrays that outlived it (1 and 3), the next does not.
+        let first = vec![rec(256, 2), rec(4096, OPEN), rec(512, 4), rec(8192, OPEN), rec(256, 5)];
+        let mut l = Layout::new(&first, None);
+        assert!(at(&mut l, 256).is_some());
+        // 512 is not near 4096: position 1 is skipped, position 2 serves it.
+        assert_eq!(l.next(512, 1).1, 2);
+        assert_eq!(l.next(256, 2).1, 4);
+        assert!(!l.end_step(), "skipped");
+    }
+
+    #[test]
+    fn larger_sizes_and_extra_positions_diverge_and_a_merged_plan_fits_both() {
+        let mut l = Layout::new(&step(), None);
+        assert_eq!(l.next(512, 0), (Serve::Diverged, 0));
+        let bigger = vec![
+            Rec {
+                planned: 0,
+                ..rec(512, 2)
+            },
+            Rec {
+                planned: 1,
+                ..rec(256, 3)
+            },
+            rec(256, 4),
+            rec(256, OPEN),
+        ];
+        let merged = Layout::new(&bigger, Some(&Layout::new(&step(), None)));
+        assert_eq!(merged.spot(0).1, 512);
+        assert_eq!(merged.spot(1).1, 512);
+        assert!(merged.footprint >= 1024);
+        let mut l = Layout::new(&step(), None);
+        for _ in 0..4 {
+            l.next(256, 0);
+        }
+        assert_eq!(l.next(256, 4), (Serve::Diverged, NONE));
+    }
+}

@@ -41,8 +41,8 @@ use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
 
 /// The gpucache configurations the report replays every log under (a new policy is one line).
 pub const CONFIGS: &[(&str, CacheConfig)] = &[
-    ("planned (default)", config(Reuse::OnExit, KeyPolicy::Planned)),
-    ("exact/on-exit", config(Reuse::OnExit, KeyPolicy::Exact)),
+    ("exact/on-exit (default)", config(Reuse::OnExit, KeyPolicy::Exact)),
+    ("planned", config(Reuse::OnExit, KeyPolicy::Planned)),
     (
         "exact/immediate",
         config(Reuse::Immediate, KeyPolicy::Exact),

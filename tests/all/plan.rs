@@ -6,7 +6,8 @@
 
 use proptest::prelude::*;
 
-use crate::replay::plan::{Lifetime, greedy_by_size, peak_live, simulate};
+use crate::replay::plan::simulate;
+use gpucache::planner::{Lifetime, greedy_by_size, peak_live};
 
 fn life(bytes: usize, start: u32, end: u32) -> Lifetime {
     Lifetime { bytes, start, end }

@@ -728,7 +728,7 @@ impl CacheModel {
         match self.config.key {
             KeyPolicy::Exact => (Key::Exact(dt, shape), bytes),
             KeyPolicy::SizeClass => (Key::Class(size_class(bytes)), size_class(bytes)),
-            KeyPolicy::Arena => unreachable!("arena allocations bump"),
+            _ => unreachable!("arena allocations bump"),
         }
     }
 

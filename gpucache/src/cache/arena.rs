@@ -393,7 +393,13 @@ impl CacheState {
                 planned: pos,
             });
             match serve {
-                Serve::At(offset) => return self.plan_view(st, i, req, pos, offset, rec),
+                Serve::At(offset) => {
+                    let got = self.plan_view(st, i, req, pos, offset, rec);
+                    if matches!(got, Planned::View(..)) {
+                        add(&st.hits, 1);
+                    }
+                    return got;
+                }
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),

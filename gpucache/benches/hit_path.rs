@@ -17,9 +17,9 @@
 //!   them); `keys/1KiB/10000-cycling` allocates all 10,000 keys in turn (time per allocation).
 //! * `scope_cycle/1KiB`: `enter` + `empty` + drop + exit under the default `Reuse::OnExit`.
 //! * `traced/1KiB`: `empty/1KiB`'s hit + drop while events are recorded (two per iteration).
-//! * `bump/1KiB`: an arena cache's bump + drop (`KeyPolicy::Arena`) beside the free-list hit +
-//!   drop (`KeyPolicy::Exact`, `Reuse::Immediate`), both in steps of [`BUMPS`] allocations (an
-//!   arena frees its arrays only when the scope exits), the enter and exit included.
+//! * `bump/1KiB`: a planned cache's hit + drop (`KeyPolicy::Planned`) beside the free-list hit +
+//!   drop (`KeyPolicy::Exact`, `Reuse::Immediate`), both in steps of [`BUMPS`] allocations, the
+//!   enter and exit included.
 
 use std::alloc::{self, Layout};
 use std::hint::black_box;
@@ -289,7 +289,7 @@ fn bench_bump(c: &mut Criterion) {
     let shape = f32_shape(KIB);
     let variants = [
         ("free_list_hit", "bench_bump_exact", KeyPolicy::Exact),
-        ("arena_bump", "bench_bump_arena", KeyPolicy::Arena),
+        ("arena_bump", "bench_bump_arena", KeyPolicy::Planned),
     ];
     group(c, "bump/1KiB".into(), KIB, |g| {
         for (label, scope, key) in variants {

@@ -54,8 +54,8 @@ const POLICIES: [Policy; 4] = [
         capped: false,
     },
     Policy {
-        label: "arena",
-        key: KeyPolicy::Arena,
+        label: "planned",
+        key: KeyPolicy::Planned,
         capped: false,
     },
 ];

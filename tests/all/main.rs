@@ -1,7 +1,7 @@
 //! The CPU integration tests, in one binary (one link instead of one per file):
 //!
 //! * `semantics`: the cache's rules, one test each (and on the GPU in `tests/cuda`);
-//! * `arena`: `KeyPolicy::Arena` (bump-allocated blocks);
+//! * `arena`: planned caches (`KeyPolicy::Planned`);
 //! * `threads`: named caches across threads;
 //! * `failures`: typed errors, out-of-memory recovery, `empty_cache`;
 //! * `faults`: allocations failing on purpose (`testing::CountingBackend`);

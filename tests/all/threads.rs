@@ -485,7 +485,7 @@ fn arrays_outliving_their_thread_are_counted_when_they_drop() {
     for (name, key) in [
         ("outlive-exact", KeyPolicy::Exact),
         ("outlive-class", KeyPolicy::SizeClass),
-        ("outlive-arena", KeyPolicy::Arena),
+        ("outlive-arena", KeyPolicy::Planned),
     ] {
         configure(name, |c| c.key = key);
         let backend = CountingBackend::new();

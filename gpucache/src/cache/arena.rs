@@ -252,7 +252,14 @@ impl DeviceArena {
         }
         // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
         let block = unsafe { ArenaBlock::into_block(arena) };
-        free_cached(st, self.gauge, block);
+        if block.is_idle() {
+            free_cached(st, self.gauge, block);
+        } else {
+            // Another stream may still use it: kept (and not reused) until that work is done,
+            // then given back with the spares.
+            let step = self.step;
+            self.spares.push(Spare { block, step });
+        }
         false
     }
 

@@ -1,10 +1,12 @@
 //! The PyTorch allocation logs (`tests/fixtures/*.csv.gz`, written on a GPU by
 //! `examples/replay/record_torch.py`): each parses, has live bytes, and replays on the CPU under
 //! every configuration of `examples/replay`'s table and bare, each peaking at or above the log's
-//! peak live bytes (the lower bound of any allocator), with the same figures every time; and a
+//! peak live bytes (the lower bound of any allocator), with the same figures every time; planned
+//! caches hold at most 1.10x the peak live bytes on the training and varying-length logs and
+//! 1.5x on decoding, with no device allocation after the second step on the training logs; and a
 //! zero-byte allocation replays in every mode.
 
-use gpucache::{CacheConfig, Device};
+use gpucache::{CacheConfig, Device, KeyPolicy};
 
 use crate::common::serial;
 use crate::replay::{self, CONFIGS, Mode, Op};
@@ -49,6 +51,14 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
             assert!(m.peak_device >= live, "{log}, {mode:?}: {m:?}");
             let again = replay::memory(&ops, Device::Cpu, mode).unwrap();
             assert_eq!(again, m, "{log}, {mode:?}: the figures are deterministic");
+            if matches!(mode, Mode::Configured(c) if c.key == KeyPolicy::Planned) {
+                let ratio = m.peak_device as f64 / live as f64;
+                let bound = if *log == "gpt2_decode" { 1.5 } else { 1.10 };
+                assert!(ratio <= bound, "{log}, planned: {ratio:.3}x > {bound}x ({m:?})");
+                if log.ends_with("_train") {
+                    assert_eq!(m.allocs_after_step2, 0, "{log}, planned: {m:?}");
+                }
+            }
         }
     }
     // Zero-byte allocations (torch logs may hold odd sizes) replay in every mode.

@@ -62,10 +62,18 @@ impl Init {
 }
 
 /// The hit path: a free buffer of `req`'s key in the thread's current cache, if it is a plain
-/// one (not recorded, not planned: those are served by [`alloc_slow`]).
+/// one (not planned, recorded or closed: those are served by [`plan_hit`] and [`alloc_slow`]).
 #[inline(always)]
 pub(crate) fn hit(req: &Request<'_>) -> Option<(Block, Home)> {
-    scope::with_current_plain(|c| c.and_then(|c| c.hit(req)))
+    scope::with_current_for_hit(|c| c.filter(|c| c.is_plain()).and_then(|c| c.hit(req)))
+}
+
+/// The hit path of a planned cache, first thing out of line: the next position of the thread's
+/// current cache's plan, if it is a planned one (not recorded or closed) and the position can
+/// be served at once.
+#[inline(always)]
+pub(crate) fn plan_hit(req: &Request<'_>) -> Option<(Block, Home)> {
+    scope::with_current_for_hit(|c| c.filter(|c| c.is_planned()).and_then(|c| c.plan_hit(req)))
 }
 
 /// The allocation when [`hit`] found nothing (see the module docs for the steps). `None` for

@@ -115,7 +115,13 @@ impl<T: Element> Array<T> {
         bytes: usize,
         zeroing: alloc::Zeroing,
     ) -> Result<Self> {
-        match alloc::alloc_slow(&Self::request(&shape, device, bytes), zeroing)? {
+        let req = Self::request(&shape, device, bytes);
+        if bytes != 0
+            && let Some((block, home)) = alloc::plan_hit(&req)
+        {
+            return Self::recycled(block, home, shape, device, bytes, zeroing.recycled);
+        }
+        match alloc::alloc_slow(&req, zeroing)? {
             Some(Got::Recycled(block, home)) => {
                 Self::recycled(block, home, shape, device, bytes, zeroing.recycled)
             }

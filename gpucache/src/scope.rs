@@ -179,17 +179,16 @@ pub(crate) fn caching_disabled() -> bool {
     disabled()
 }
 
-/// [`with_current`], for the hit path: `None` also when the cache's events are being recorded
-/// (the slow path records them), with the one test `with_current` makes anyway.
+/// [`with_current`], for the hit paths, which test the cache's flags themselves (a closed one
+/// included).
 #[inline]
-pub(crate) fn with_current_plain<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
+pub(crate) fn with_current_for_hit<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     if disabled() {
         return f(None);
     }
     let ptr = CURRENT.get();
     // SAFETY: as in `with_innermost`.
-    let cell = unsafe { ptr.as_ref() };
-    f(cell.filter(|c| c.is_plain()))
+    f(unsafe { ptr.as_ref() })
 }
 
 /// The innermost entered cache of this thread, or null (for comparison only).

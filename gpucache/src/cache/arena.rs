@@ -104,6 +104,35 @@ pub(super) struct Plan {
     tainted: bool,
 }
 
+impl Plan {
+    /// A view of `bytes` bytes at `offset` of the plan's block `arena`, counted (in gauge `g`
+    /// of `st`) as in use.
+    #[inline(always)]
+    fn view(
+        &mut self,
+        st: &Counters,
+        g: GaugeIx,
+        arena: BlockPtr,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<Block> {
+        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+        let counts = unsafe { arena.as_ref() };
+        let owner: *const dyn Backend = arena.as_ptr().cast_const();
+        // SAFETY: `offset + bytes <= footprint <= block bytes` (the layout placed the position
+        // and it fits), `owner` is the `Arc::into_raw` pointer of the block's `Arc`, whose backend
+        // is not counted, and the block stays alive, unmoved and untouched through `&mut` while
+        // views of it live: it is prepared only with no view alive, and freed only once none is
+        // (`views() == 0` before retirement, `shared` reaching 0 after).
+        let view = unsafe { counts.block.view(owner, offset, bytes) }?;
+        counts.local.store(counts.local.load(Relaxed) + 1, Relaxed);
+        let size = aligned(bytes).unwrap_or(bytes);
+        self.in_use += size;
+        uncached(st, g, size);
+        Ok(view)
+    }
+}
+
 /// A solo block no array uses, kept for the next solo array it fits.
 pub(super) struct Spare {
     block: Block,
@@ -475,24 +504,39 @@ impl CacheState {
             }
             plan.ready = true;
         }
-        let owner: *const dyn Backend = arena.as_ptr().cast_const();
-        // SAFETY: `offset + size <= footprint <= block bytes` (the layout placed it), `owner` is
-        // the `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and
-        // the block stays alive, unmoved and untouched through `&mut` while views of it live:
-        // it is prepared only with no view alive, and freed only once none is (`views() == 0`
-        // before retirement, `shared` reaching 0 after).
-        let view = match unsafe { counts.block.view(owner, offset, req.bytes) } {
-            Ok(view) => view,
+        match plan.view(st, a.gauge, arena, offset, req.bytes) {
+            Ok(view) => Planned::View(view, view_slot(pos), a.step),
             Err(e) => {
                 plan.layout.dropped(pos);
-                return Planned::Failed(e);
+                Planned::Failed(e)
             }
-        };
-        counts.local.store(counts.local.load(Relaxed) + 1, Relaxed);
-        let size = aligned(req.bytes).unwrap_or(req.bytes);
-        plan.in_use += size;
-        uncached(st, a.gauge, size);
-        Planned::View(view, view_slot(pos), a.step)
+        }
+    }
+
+    /// The hit path of a planned cache: the next position of the plan, when it is the plain
+    /// case ([`Layout::peek`]) on the cache's first device and the plan's block is ready for
+    /// the step. `None`: [`CacheState::planned`] decides.
+    #[inline(always)]
+    fn plan_hit(&mut self, st: &Counters, req: &Request<'_>) -> Option<(Block, u32, u32)> {
+        let a = self.arenas.devices.first_mut()?;
+        if a.device != req.device || a.diverged || a.tick >= MAX_POSITIONS {
+            return None;
+        }
+        let plan = a.plan.as_mut()?;
+        let arena = plan.block.filter(|_| plan.ready)?;
+        let size = aligned(req.bytes)?;
+        let (offset, pos) = plan.layout.peek(size)?;
+        let view = plan.view(st, a.gauge, arena, offset, req.bytes).ok()?;
+        let rec = a.tick;
+        a.tick = rec + 1;
+        a.record.push(Rec {
+            bytes: size,
+            end: OPEN,
+            planned: pos,
+        });
+        plan.layout.take(pos, rec);
+        add(&st.hits, 1);
+        Some((view, view_slot(pos), a.step))
     }
 
     /// A view of all of `block`, a solo block for the array at `pos`.
@@ -660,7 +704,12 @@ impl CacheState {
         // A plan's array: its position in the plan; a solo array: its index in the record.
         let pos = home.slot - VIEW_BASE;
         let mut escaped = true;
-        if let Some(i) = self.arenas.index(counts.block.device()) {
+        let device = counts.block.device();
+        let i = match self.arenas.devices.first() {
+            Some(a) if a.device == device => Some(0),
+            _ => self.arenas.index(device),
+        };
+        if let Some(i) = i {
             let a = &mut self.arenas.devices[i];
             escaped = home.generation != a.step;
             let mut rec = pos;
@@ -746,6 +795,17 @@ impl CacheCell {
                 self.flags.fetch_and(!ARENA, Relaxed);
             }
         }
+    }
+
+    /// The hit path of a planned cache ([`CacheState::plan_hit`]). Call only on this thread's
+    /// current (hence active) cache, with only the [`ARENA`] flag set (not traced or closed).
+    #[inline(always)]
+    pub(crate) fn plan_hit(&self, req: &Request<'_>) -> Option<(Block, Home)> {
+        debug_assert!(self.is_owned_here() && self.is_active());
+        // SAFETY: (see `locked`) the owner thread, inside a scope of the cell.
+        let state = unsafe { self.locked() };
+        let (view, slot, step) = state.plan_hit(&self.stats, req)?;
+        Some((view, self.home(slot, step)))
     }
 
     /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for a planned cache the whole

@@ -465,6 +465,12 @@ impl CacheCell {
         events::emit();
     }
 
+    /// A planned cache, not recorded or closed: [`CacheCell::plan_hit`] may serve it.
+    #[inline]
+    pub(crate) fn is_planned(&self) -> bool {
+        self.flags.load(Relaxed) == ARENA
+    }
+
     /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only
     /// on this thread's current (hence active) cache.
     /// The caller passes only a [plain](CacheCell::is_plain) cache: a recorded one goes to

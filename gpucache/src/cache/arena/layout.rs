@@ -160,21 +160,24 @@ impl Layout {
 
     /// Processes the planned ends of the ticks up to `t`: positions planned to end there that
     /// are still alive become overdue.
-    #[inline]
+    #[inline(always)]
     fn tick_to(&mut self, t: u32) {
         while self.ticked <= t {
             let k = self.ticked as usize;
             self.ticked += 1;
-            let Some(&hi) = self.end_at.get(k + 1) else {
+            let (Some(&lo), Some(&hi)) = (self.end_at.get(k), self.end_at.get(k + 1)) else {
                 return;
             };
-            for i in self.end_at[k]..hi {
+            for i in lo..hi {
                 let p = self.by_end[i as usize];
-                self.make_overdue(p);
+                if self.spots[p as usize].live {
+                    self.make_overdue(p);
+                }
             }
         }
     }
 
+    #[inline]
     fn make_overdue(&mut self, p: u32) {
         let s = &mut self.spots[p as usize];
         if s.live && !s.overdue {
@@ -212,6 +215,29 @@ impl Layout {
             self.cursor = c + 1;
             return (self.serve(c, size, rec), c);
         }
+    }
+
+    /// The hit path of [`Layout::next`]: the offset and position of the next allocation when it
+    /// is the plain case (the next position is placed, fits, is free, and nothing is overdue),
+    /// with nothing marked yet ([`Layout::take`] does, once the view exists); `None` otherwise,
+    /// and [`Layout::next`] decides.
+    #[inline(always)]
+    pub(super) fn peek(&mut self, size: usize) -> Option<(usize, u32)> {
+        let c = self.cursor;
+        if self.ticked <= c {
+            self.tick_to(c);
+        }
+        let s = self.spots.get(c as usize)?;
+        (!s.apart && size <= s.size && !s.live && self.overdue.is_empty()).then_some((s.offset, c))
+    }
+
+    /// Takes position `k`, which [`Layout::peek`] gave, for the allocation `rec` of the step.
+    #[inline(always)]
+    pub(super) fn take(&mut self, k: u32, rec: u32) {
+        self.cursor = k + 1;
+        let s = &mut self.spots[k as usize];
+        s.live = true;
+        s.rec = rec;
     }
 
     /// Whether position `k` of `size` aligned bytes may be served at its offset now (for the
@@ -264,7 +290,9 @@ impl Layout {
     /// its end, with no position skipped.
     pub(super) fn end_step(&mut self) -> bool {
         for p in 0..self.spots.len() as u32 {
-            self.make_overdue(p);
+            if self.spots[p as usize].live {
+                self.make_overdue(p);
+            }
         }
         let whole = !self.skipped && self.cursor as usize == self.spots.len();
         self.cursor = 0;

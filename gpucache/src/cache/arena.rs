@@ -102,29 +102,70 @@ pub(super) struct Plan {
     /// A view of the block was used on another stream this step: the block leaves the plan at
     /// the step's end.
     tainted: bool,
+    /// Per position, the view its last array dropped, kept for the next array there (a cudarc
+    /// view is a `CudaSlice` with events of its own: made once, not every step). Views of the
+    /// block, but no array's: not counted as alive.
+    views: Vec<Option<Block>>,
 }
 
 impl Plan {
-    /// A view of `bytes` bytes at `offset` of the plan's block `arena`, counted (in gauge `g`
-    /// of `st`) as in use.
+    fn new(layout: Layout, block: Option<BlockPtr>) -> Plan {
+        let views = std::iter::repeat_with(|| None).take(layout.len()).collect();
+        Plan {
+            layout,
+            block,
+            in_use: 0,
+            ready: false,
+            tainted: false,
+            views,
+        }
+    }
+
+    /// Takes the block out of the plan, with the bytes its arrays use, after dropping the views
+    /// kept for positions (they must not outlive the block).
+    fn take_block(&mut self) -> Option<(BlockPtr, usize)> {
+        for view in self.views.iter_mut().filter_map(Option::take) {
+            // SAFETY: a kept view was made by `Block::view` and is no array's.
+            unsafe { view.drop_view() };
+        }
+        let block = self.block.take()?;
+        Some((block, std::mem::take(&mut self.in_use)))
+    }
+
+    /// A view of `bytes` bytes at `offset` (position `pos`) of the plan's block `arena`, counted
+    /// (in gauge `g` of `st`) as in use: the view kept for the position if it has that size,
+    /// else a new one.
     #[inline(always)]
     fn view(
         &mut self,
         st: &Counters,
         g: GaugeIx,
         arena: BlockPtr,
-        offset: usize,
+        (pos, offset): (u32, usize),
         bytes: usize,
     ) -> Result<Block> {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
-        let owner: *const dyn Backend = arena.as_ptr().cast_const();
-        // SAFETY: `offset + bytes <= footprint <= block bytes` (the layout placed the position
-        // and it fits), `owner` is the `Arc::into_raw` pointer of the block's `Arc`, whose backend
-        // is not counted, and the block stays alive, unmoved and untouched through `&mut` while
-        // views of it live: it is prepared only with no view alive, and freed only once none is
-        // (`views() == 0` before retirement, `shared` reaching 0 after).
-        let view = unsafe { counts.block.view(owner, offset, bytes) }?;
+        let kept = self.views.get_mut(pos as usize).and_then(Option::take);
+        let view = match kept {
+            Some(view) if view.bytes() == bytes => view,
+            other => {
+                if let Some(view) = other {
+                    // SAFETY: a kept view was made by `Block::view` and is no array's.
+                    unsafe { view.drop_view() };
+                }
+                let owner: *const dyn Backend = arena.as_ptr().cast_const();
+                // SAFETY: `offset + bytes <= footprint <= block bytes` (the layout placed the
+                // position and it fits), `owner` is the `Arc::into_raw` pointer of the block's
+                // `Arc`, whose backend is not counted, and the block stays alive, unmoved and
+                // untouched through `&mut` while views of it live: it is prepared only with no
+                // array's view alive (kept views touch only their own state until dropped, by
+                // the lock holder, before the block goes), and freed only once no view is
+                // (`views() == 0` and kept views dropped before retirement, `shared` reaching 0
+                // after).
+                unsafe { counts.block.view(owner, offset, bytes) }?
+            }
+        };
         counts.local.store(counts.local.load(Relaxed) + 1, Relaxed);
         let size = aligned(bytes).unwrap_or(bytes);
         self.in_use += size;
@@ -299,21 +340,21 @@ impl DeviceArena {
             return false;
         };
         // SAFETY: a plan's block is the cache's until detached.
-        let Some(b) = plan.block.filter(|b| unsafe { b.as_ref() }.views() == 0) else {
+        if plan.block.is_none_or(|b| unsafe { b.as_ref() }.views() != 0) {
             return false;
-        };
-        plan.block = None;
-        let in_use = std::mem::take(&mut plan.in_use);
-        self.detach(st, b, in_use)
+        }
+        plan.take_block()
+            .is_some_and(|(b, in_use)| self.detach(st, b, in_use))
     }
 
     /// Drops the plan (its block detached). Returns whether the block was retired.
     fn drop_plan(&mut self, st: &Counters) -> bool {
-        let Some(plan) = self.plan.take() else {
+        let Some(mut plan) = self.plan.take() else {
             return false;
         };
         self.diverged = true;
-        plan.block.is_some_and(|b| self.detach(st, b, plan.in_use))
+        plan.take_block()
+            .is_some_and(|(b, in_use)| self.detach(st, b, in_use))
     }
 
     /// The step ended: plans it again if it left its plan (keeping the block when it fits the
@@ -333,31 +374,22 @@ impl DeviceArena {
         } else if n > 0 && (self.diverged || !whole) {
             let layout = Layout::new(&self.record, self.plan.as_ref().map(|p| &p.layout));
             let mut keep = None;
-            if let Some(old) = self.plan.take()
-                && let Some(b) = old.block
-            {
+            if let Some((b, in_use)) = self.plan.take().and_then(|mut old| old.take_block()) {
                 // SAFETY: a plan's block is the cache's until detached.
                 let counts = unsafe { b.as_ref() };
                 let bytes = counts.block.bytes();
                 let fits = bytes >= layout.footprint && bytes - layout.footprint <= bytes / 8;
                 if fits && !tainted && counts.views() == 0 {
-                    cached(st, self.gauge, old.in_use);
+                    cached(st, self.gauge, in_use);
                     keep = Some(b);
                 } else {
-                    retired += usize::from(self.detach(st, b, old.in_use));
+                    retired += usize::from(self.detach(st, b, in_use));
                 }
             }
-            self.plan = Some(Plan {
-                layout,
-                block: keep,
-                in_use: 0,
-                ready: false,
-                tainted: false,
-            });
+            self.plan = Some(Plan::new(layout, keep));
         } else if tainted && let Some(plan) = &mut self.plan {
             plan.tainted = false;
-            if let Some(b) = plan.block.take() {
-                let in_use = std::mem::take(&mut plan.in_use);
+            if let Some((b, in_use)) = plan.take_block() {
                 retired += usize::from(self.detach(st, b, in_use));
             }
         }
@@ -504,7 +536,7 @@ impl CacheState {
             }
             plan.ready = true;
         }
-        match plan.view(st, a.gauge, arena, offset, req.bytes) {
+        match plan.view(st, a.gauge, arena, (pos, offset), req.bytes) {
             Ok(view) => Planned::View(view, view_slot(pos), a.step),
             Err(e) => {
                 plan.layout.dropped(pos);
@@ -526,7 +558,7 @@ impl CacheState {
         let arena = plan.block.filter(|_| plan.ready)?;
         let size = aligned(req.bytes)?;
         let (offset, pos) = plan.layout.peek(size)?;
-        let view = plan.view(st, a.gauge, arena, offset, req.bytes).ok()?;
+        let view = plan.view(st, a.gauge, arena, (pos, offset), req.bytes).ok()?;
         let rec = a.tick;
         a.tick = rec + 1;
         a.record.push(Rec {
@@ -696,11 +728,13 @@ impl CacheState {
         st: &Counters,
         arena: BlockPtr,
         home: &Home,
-        bytes: usize,
+        view: Block,
         tainted: bool,
     ) {
         // SAFETY: a view of the block was alive until now, so the block is.
         let counts = unsafe { arena.as_ref() };
+        let bytes = view.bytes();
+        let mut view = Some(view);
         // A plan's array: its position in the plan; a solo array: its index in the record.
         let pos = home.slot - VIEW_BASE;
         let mut escaped = true;
@@ -724,9 +758,17 @@ impl CacheState {
                         plan.tainted = true;
                         plan.layout.rec_of(pos)
                     } else {
+                        // Kept for the position's next array.
+                        if let Some(kept) = plan.views.get_mut(pos as usize) {
+                            std::mem::swap(kept, &mut view);
+                        }
                         plan.layout.dropped(pos)
                     };
                 }
+            }
+            if let Some(view) = view.take() {
+                // SAFETY: `view` was made by `Block::view`, and its block is alive.
+                unsafe { view.drop_view() };
             }
             if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
                 r.end = a.tick;
@@ -737,6 +779,10 @@ impl CacheState {
                 }
                 return;
             }
+        }
+        if let Some(view) = view.take() {
+            // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.
+            unsafe { view.drop_view() };
         }
         if counts.shared.fetch_sub(1, AcqRel) == 1 {
             let (generation, solo) = (counts.generation, counts.solo);
@@ -895,10 +941,7 @@ impl CacheCell {
         if view.cuda().is_some() {
             return Self::send_cuda_view_home(home, view, arena, current);
         }
-        let bytes = view.bytes();
-        // SAFETY: `view` was made by `Block::view`.
-        unsafe { view.drop_view() };
-        Self::view_dropped(home, arena, current, bytes, false);
+        Self::view_dropped(home, arena, current, view, false);
     }
 
     /// [`CacheCell::send_view_home`] of a view of device memory: the streams it was used on
@@ -918,20 +961,18 @@ impl CacheCell {
                 tainted = v.hand_marks_to(parent);
             }
         }
-        let bytes = view.bytes();
-        // SAFETY: `view` was made by `Block::view`.
-        unsafe { view.drop_view() };
-        Self::view_dropped(home, arena, current, bytes, tainted);
+        Self::view_dropped(home, arena, current, view, tainted);
     }
 
-    /// A view of `bytes` bytes of `arena` was dropped: counts it, and the last view of a
-    /// retired block sends the block home.
+    /// The array of `view`, a view of `arena`, dropped: the owner keeps the view for the
+    /// position or drops it, and counts it; the last view of a retired block sends the block
+    /// home.
     #[inline(never)]
     fn view_dropped(
         home: Home,
         arena: BlockPtr,
         current: *const CacheCell,
-        bytes: usize,
+        view: Block,
         tainted: bool,
     ) {
         // SAFETY: the block is alive while it is the plan's or retired with views (this one was
@@ -941,10 +982,12 @@ impl CacheCell {
             // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
             // is the owner thread, inside a scope of the cell.
             let state = unsafe { cell.locked() };
-            state.drop_view(&cell.stats, arena, &home, bytes, tainted);
+            state.drop_view(&cell.stats, arena, &home, view, tainted);
         } else if cell.is_owned_here() && !cell.is_closed() {
-            cell.owned(|state, st| state.drop_view(st, arena, &home, bytes, tainted));
+            cell.owned(|state, st| state.drop_view(st, arena, &home, view, tainted));
         } else {
+            // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.
+            unsafe { view.drop_view() };
             // SAFETY: as above.
             let counts = unsafe { arena.as_ref() };
             if counts.shared.fetch_sub(1, AcqRel) == 1 {

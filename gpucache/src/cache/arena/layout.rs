@@ -158,6 +158,11 @@ impl Layout {
         }
     }
 
+    /// The number of positions.
+    pub(super) fn len(&self) -> usize {
+        self.spots.len()
+    }
+
     /// Processes the planned ends of the ticks up to `t`: positions planned to end there that
     /// are still alive become overdue.
     #[inline(always)]

@@ -37,7 +37,7 @@ pub enum Reuse {
 /// Which arrays may share a buffer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum KeyPolicy {
-    /// A step's arrays share memory, laid out from the step's own lifetimes (see
+    /// A step's arrays share memory, laid out from the step's own lifetimes (the default; see
     /// [Memory of a step](crate#memory-of-a-step)).
     ///
     /// * **The first step** allocates every array from the device and frees it when it drops:
@@ -58,11 +58,11 @@ pub enum KeyPolicy {
     /// * [`Reuse`] does not apply: the plan reuses memory as the step's arrays drop.
     ///
     /// [`planner::greedy_by_size`]: crate::planner::greedy_by_size
+    #[default]
     Planned,
-    /// Arrays of the same element type, shape and device (the default). With
+    /// Arrays of the same element type, shape and device, in free lists. With
     /// [`Reuse::OnExit`], every buffer of a step stays distinct within the step: a step holds
     /// the sum of what it allocates, not its peak.
-    #[default]
     Exact,
     /// Arrays whose byte sizes round up to the same size class, on the same device, whatever
     /// their shape and element type; the logical shape stays on the array. Classes are 512 bytes

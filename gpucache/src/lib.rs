@@ -4,9 +4,13 @@
 //! step of a training or inference loop no device allocation happens at all.
 //!
 //! A step is marked as a named *scope*. Inside it, every [`Array`] allocation goes through the
-//! thread's cache of that name: buffers are keyed by (element type, shape, device) into free
-//! lists, and the buffers of arrays dropped during the step become free when the scope exits,
-//! to be recycled when it is entered again. [`invalidate`] gives the memory back (between
+//! thread's cache of that name. By default ([`KeyPolicy::Planned`]) the cache records the first
+//! step's allocations and their lifetimes, and serves the next steps from one block per device
+//! laid out from them: each array at a fixed offset, arrays alive at the same time never
+//! overlapping, so a step holds about the most bytes its arrays need at once and, after the
+//! second step, allocates nothing from the device (see [Memory of a step](#memory-of-a-step)).
+//! Free lists keyed by (element type, shape, device), recycled when the scope is entered again,
+//! are the other policy ([`KeyPolicy::Exact`]). [`invalidate`] gives the memory back (between
 //! epochs, say).
 //!
 //! ```
@@ -30,7 +34,8 @@
 //!         train_step(dev, &x)?;
 //!     }
 //!     let s = gpucache::stats("train_step").since(&before); // this epoch's figures
-//!     assert_eq!((s.misses, s.hits), (1, 9)); // one buffer, allocated once, recycled 9 times
+//!     // The first step allocates its array, the second the plan's block; then 8 hits.
+//!     assert_eq!((s.misses, s.hits), (2, 8));
 //!     println!("epoch {epoch}: {s}");
 //!     // A block in a scope of its own; `?` in it leaves the enclosing function, as in any block.
 //!     let loss = cache_scope!(eval, {
@@ -131,19 +136,22 @@
 //! * **Scopes** ([`enter`], and the `cache_scope` macros) make a cache the thread's current one;
 //!   the innermost wins, scopes nest, a name may be entered recursively, and the previous scope
 //!   is restored on every exit, panics unwinding included.
-//! * **Inside a scope** an allocation pops a free buffer of its key (a *hit*) or allocates from
-//!   the device (a *miss*); either way the buffer is *busy*.
-//! * **Reuse.** Under [`Reuse::OnExit`] (the default) the buffer of an array dropped inside the
-//!   scope becomes free when the outermost active entry of that cache exits; under
-//!   [`Reuse::Immediate`] as soon as the array drops.
-//! * **Escaping arrays** (returned, stored, sent to another thread) stay busy while they live
-//!   and go back to their home cache's free list when they drop, from any thread. A buffer is
-//!   never handed to a second array while the first is alive.
-//! * **Planned caches** ([`KeyPolicy::Planned`]) serve a step's arrays from one block per
-//!   device laid out from the step's own lifetimes (see [Memory of a step](#memory-of-a-step)).
-//! * **[`invalidate`]** frees the free lists and starts a new generation: buffers of arrays
-//!   still alive are freed, not cached, when they drop. [`empty_cache`] frees every free list of
-//!   every thread.
+//! * **Inside a scope** of a planned cache (the default, [`KeyPolicy::Planned`]) an allocation
+//!   is served from the step's plan (a *hit*) or from a block of its own (a *miss*, a device
+//!   allocation), and its bytes are free again as soon as it drops (see
+//!   [Memory of a step](#memory-of-a-step)). In a cache of free lists ([`KeyPolicy::Exact`],
+//!   [`KeyPolicy::SizeClass`]) it pops a free buffer of its key (a hit) or allocates one (a
+//!   miss); either way the buffer is *busy*.
+//! * **Reuse** (free lists). Under [`Reuse::OnExit`] (the default) the buffer of an array
+//!   dropped inside the scope becomes free when the outermost active entry of that cache exits;
+//!   under [`Reuse::Immediate`] as soon as the array drops.
+//! * **Escaping arrays** (returned, stored, sent to another thread) keep their memory while they
+//!   live, and give it back to their home cache when they drop, from any thread. Memory is never
+//!   handed to a second array while the first is alive.
+//! * **[`invalidate`]** frees what the cache holds that no array uses (free lists, a plan's
+//!   block and spares; a planned cache starts cold, as in its first step) and starts a new
+//!   generation: memory of arrays still alive is freed, not cached, when they drop.
+//!   [`empty_cache`] does the same for every cache of every thread.
 //! * **Out of memory**: a failed device allocation gives back what the caches hold for the device
 //!   that no array owns (this thread's caches, then every thread's) and retries once, then
 //!   returns [`Error::OutOfMemory`].
@@ -176,20 +184,21 @@
 //!   follows its plan does not. [`Reuse`] does not apply.
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held
-//! over the peak live bytes is 1.08x on GPT-2 training, 1.005x on ResNet-50 training, 1.12x on a
-//! BERT encoder whose sequence length varies every batch and 1.49x on GPT-2 decoding, against
-//! 2.4x, 3.6x, 86x and 17x for exact keys with [`Reuse::OnExit`].
+//! over the peak live bytes is 1.08x on GPT-2 training, 1.005x on ResNet-50 training, 1.07x on a
+//! BERT encoder whose sequence length varies every batch and 1.21x on GPT-2 decoding, against
+//! 2.4x, 3.6x, 86x and 17x for exact keys with [`Reuse::OnExit`] (CUDA's stream-ordered pool:
+//! 1.02x, 1.06x, 1.59x and 1.59x).
 //!
 //! ## Choosing a key policy
 //!
 //! Measured on real models' allocation logs (PyTorch training, varying-length inference and
 //! decoding, replayed by `examples/replay`; the figures are in the repository's BENCHMARKS.md):
 //!
-//! * **Memory near a step's peak**, whatever its shapes: [`KeyPolicy::Planned`] (see above). Its
-//!   first step and steps that leave their plan allocate from the device.
+//! * **Memory near a step's peak**, whatever its shapes: [`KeyPolicy::Planned`], the default (see
+//!   above). Its first two steps, and steps that leave their plan, allocate from the device.
 //! * **Every buffer of a step distinct** (a buffer's address stays its array's until the scope
-//!   exits): [`KeyPolicy::Exact`] with [`Reuse::OnExit`], the default. No device allocation after
-//!   the first steps on fixed shapes, but a step holds the sum of what it allocates; with
+//!   exits): [`KeyPolicy::Exact`] with [`Reuse::OnExit`]. No device allocation after the first
+//!   step on fixed shapes, but a step holds the sum of what it allocates; with
 //!   [`Reuse::Immediate`] a buffer dropped inside the step serves a later array of its key.
 //! * **Shapes that vary, with free lists**: [`KeyPolicy::SizeClass`] with [`Reuse::Immediate`]
 //!   holds the least of the free-list policies on the real logs; exact keys there allocate in

@@ -192,7 +192,8 @@ impl CacheStats {
     ///     let _a = Array::<u8>::zeros(Device::Cpu, 64)?;
     /// }
     /// let epoch = gpucache::stats("since-doc").since(&before);
-    /// assert_eq!((epoch.misses, epoch.hits, epoch.bytes_cached), (1, 2, 64));
+    /// // Two misses (the first step's array, then the plan's block, 256-byte aligned), one hit.
+    /// assert_eq!((epoch.misses, epoch.hits, epoch.bytes_cached), (2, 1, 256));
     /// # Ok::<(), gpucache::Error>(())
     /// ```
     pub fn since(&self, earlier: &CacheStats) -> CacheStats {

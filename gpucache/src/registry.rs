@@ -306,11 +306,11 @@ fn for_name(name: &str, own: impl Fn(&CacheCell), other: impl Fn(&CacheCell)) {
 ///
 /// ```
 /// use gpucache::{Array, Device};
-/// {
+/// for _ in 0..2 {
 ///     let _scope = gpucache::enter("epoch");
 ///     let _a = Array::<f32>::zeros(Device::Cpu, [256])?;
 /// }
-/// assert_eq!(gpucache::stats("epoch").bytes_cached, 1024);
+/// assert_eq!(gpucache::stats("epoch").bytes_cached, 1024); // the plan's block
 /// gpucache::invalidate("epoch");
 /// assert_eq!(gpucache::stats("epoch").bytes_cached, 0);
 /// # Ok::<(), gpucache::Error>(())

@@ -12,18 +12,18 @@
 //!
 //! let backend = CountingBackend::new();
 //! let _installed = use_backend(&backend);
-//! {
+//! for _ in 0..2 {
 //!     let _scope = gpucache::enter("doc-oom");
 //!     let _a = Array::<u8>::zeros(Device::Cpu, 1000)?;
 //! }
-//! assert_eq!(backend.outstanding_bytes(), 1000); // cached
+//! assert_eq!(backend.outstanding_bytes(), 1024); // the plan's block, cached
 //!
 //! // Fail the next allocation and the retry after it: the cache is released, then an error.
 //! backend.fail_nth(1);
 //! backend.fail_nth(2);
 //! let err = Array::<u8>::zeros(Device::Cpu, 10).unwrap_err();
 //! assert!(matches!(err, Error::OutOfMemory { requested: 10, .. }));
-//! assert_eq!(backend.outstanding_bytes(), 0); // the cached buffer was released
+//! assert_eq!(backend.outstanding_bytes(), 0); // the cached block was released
 //! # Ok::<(), gpucache::Error>(())
 //! ```
 

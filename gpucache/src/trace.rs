@@ -22,7 +22,8 @@
 //!     trace.events().iter().filter(|e| e.kind == k && e.cache.as_deref() == Some("trace-doc")).count()
 //! };
 //! use gpucache::trace::EventKind::*;
-//! assert_eq!((mine(ScopeEnter), mine(Miss), mine(Hit), mine(ScopeExit)), (3, 1, 2, 3));
+//! // Misses: the first step's array, then the plan's block; the third step is a hit.
+//! assert_eq!((mine(ScopeEnter), mine(Miss), mine(Hit), mine(ScopeExit)), (3, 2, 1, 3));
 //! let mut json = Vec::new();
 //! trace.write_chrome(&mut json)?; // or trace.save("trace.json")?
 //! # Ok::<(), Box<dyn std::error::Error>>(())

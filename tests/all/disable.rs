@@ -52,6 +52,7 @@ fn another_value_leaves_caching_on_with_one_warning() {
 #[test]
 #[ignore = "run by the other tests of this module in a child process"]
 fn child_process() {
+    common::free_lists("disabled");
     let disabled = match std::env::var("GPUCACHE_DISABLE_EXPECT").as_deref() {
         Ok("off") => true,
         Ok("on") => false,

@@ -165,6 +165,7 @@ fn cache_three(name: &str) {
 
 #[test]
 fn a_failed_allocation_releases_the_cache_and_retries_once() {
+    common::free_lists("retry");
     let _serial = serial();
     let (backend, _installed) = common::counting();
     cache_three("retry");
@@ -218,6 +219,7 @@ fn out_of_memory_after_the_retry_is_a_typed_error_and_nothing_leaks() {
 
 #[test]
 fn a_device_limit_is_met_by_releasing_the_cache() {
+    common::free_lists("limit");
     let _serial = serial();
     let (backend, _installed) = common::counting();
     cache_three("limit");
@@ -291,6 +293,8 @@ fn out_of_memory_releases_other_threads_caches() {
 
 #[test]
 fn empty_cache_reaches_every_thread() {
+    common::free_lists("idle");
+    common::free_lists("busy");
     let _serial = serial();
     let backend = CountingBackend::new();
     let (busy_during, busy_after) = on_worker(

@@ -45,6 +45,8 @@ struct Workload {
 
 impl Workload {
     fn new(backend: &Arc<CountingBackend>, name: &str) -> Workload {
+        // The workload's counts are those of free lists.
+        common::free_lists(name);
         Workload {
             backend: Arc::clone(backend),
             name: name.to_owned(),

@@ -295,6 +295,7 @@ fn cached_step() -> gpucache::Result<Option<String>> {
 
 #[test]
 fn the_attribute_routes_allocations_through_its_cache() {
+    common::free_lists("cached_step");
     let _shared = common::shared();
     for _ in 0..3 {
         assert_eq!(cached_step().unwrap(), some("cached_step"));
@@ -630,6 +631,7 @@ fn future_cached() -> impl Future<Output = gpucache::Result<()>> {
 
 #[test]
 fn fn_returning_a_future_routes_allocations_through_its_cache() {
+    common::free_lists("future_cached");
     let _shared = common::shared();
     for _ in 0..3 {
         block_on(future_cached()).unwrap();

@@ -121,6 +121,8 @@ common::device_tests! {
     fn nested_scopes_route_to_the_innermost(dev, name) {
         let outer = format!("{name}/outer");
         let inner = format!("{name}/inner");
+        common::free_lists(&outer);
+        common::free_lists(&inner);
         let _o = enter(&outer);
         let _a = Array::<f32>::zeros(dev, N).unwrap();
         {

@@ -130,6 +130,7 @@ fn out_of_memory_recovery_frees_returned_buffers_and_reports_what_is_true() {
 
 #[test]
 fn out_of_memory_counts_buffers_held_by_another_threads_active_scope_as_cached() {
+    common::free_lists("oom-held");
     let _serial = serial();
     let (backend, _installed) = common::counting();
     let (ready, is_ready) = channel();
@@ -250,6 +251,7 @@ fn across_threads(
 
 #[test]
 fn configure_reaches_every_thread_now_or_at_its_scope_exit_and_later_threads() {
+    common::free_lists("cfg-everywhere");
     let _serial = serial();
     let mut steps = 0;
     across_threads(
@@ -277,6 +279,7 @@ fn configure_reaches_every_thread_now_or_at_its_scope_exit_and_later_threads() {
 
 #[test]
 fn invalidate_reaches_every_thread_now_or_at_its_scope_exit() {
+    common::free_lists("inval-everywhere");
     let _serial = serial();
     let mut steps = 0;
     across_threads(
@@ -301,6 +304,9 @@ fn invalidate_reaches_every_thread_now_or_at_its_scope_exit() {
 
 #[test]
 fn snapshot_tells_threads_apart_and_keeps_exited_ones() {
+    common::free_lists("same-name");
+    common::free_lists("snap");
+    common::free_lists("snap-live");
     let _serial = serial();
     let workers: Vec<_> = (1..=3)
         .map(|steps| {
@@ -380,6 +386,7 @@ fn summary_shortens_long_names_instead_of_panicking() {
 
 #[test]
 fn since_gives_per_epoch_figures_and_reset_peak_reaches_other_threads() {
+    common::free_lists("epochs");
     let _serial = serial();
     let step = || {
         let _step = enter("epochs");

@@ -12,7 +12,7 @@ use gpucache::trace::{self, Event, EventKind, Trace, TraceKey};
 use gpucache::{Array, CacheConfig, DType, Device, Error, Reuse, enter, stats};
 use serde_json::Value;
 
-use crate::common::{configure, serial};
+use crate::common::{self, configure, serial};
 use crate::replay::{self, Mode, Op};
 
 /// The events of cache `name`.
@@ -79,6 +79,7 @@ fn planned_allocations_are_recorded_as_hits_and_new_blocks_as_misses() {
 
 #[test]
 fn every_kind_of_event_is_recorded_with_its_fields() {
+    common::free_lists("trace-kinds");
     let _serial = serial();
     let name = "trace-kinds";
     let t = record(|| {
@@ -183,6 +184,7 @@ fn evictions_returns_from_other_threads_and_size_classes_are_recorded() {
 
 #[test]
 fn out_of_memory_is_recorded_with_the_release_and_the_retry() {
+    common::free_lists("trace-oom");
     let _serial = serial();
     let backend = CountingBackend::new();
     let _installed = use_backend(&backend);
@@ -245,6 +247,7 @@ fn workload() -> [&'static str; 3] {
 
 #[test]
 fn the_chrome_trace_parses_balances_and_ends_at_the_stats() {
+    common::free_lists("trace-before");
     let _serial = serial();
     // A scope entered before recording starts: its exit is left out of the slices.
     let before = enter("trace-before");
@@ -389,6 +392,9 @@ fn child(env: &[(&str, &str)]) -> String {
 #[test]
 #[ignore = "run by the other tests of this module in a child process"]
 fn child_process() {
+    common::free_lists("trace-huge");
+    common::free_lists("trace-bounded");
+    common::free_lists("trace-env");
     assert!(std::env::var_os("GPUCACHE_TRACE_CHILD").is_some());
     if std::env::var_os("GPUCACHE_TRACE_MAX_EVENTS").is_some_and(|v| v != "16") {
         // Out of range or unreadable: bounded (or the default), and recording works.
@@ -495,6 +501,7 @@ fn cache_config_is_unchanged_by_recording() {
 
 #[test]
 fn a_recorded_allocation_log_round_trips_and_replays() {
+    common::free_lists("trace-replay");
     let _serial = serial();
     let name = "trace-replay";
     let t = record(|| {
@@ -558,6 +565,12 @@ fn the_train_cuda_fixture_replays_on_the_cpu() {
     let ops = replay::read(FIXTURE.as_ref()).unwrap();
     let allocs = ops.iter().filter(|o| matches!(o, Op::Alloc { .. })).count() as u64;
     assert!(allocs >= 100, "{allocs}");
+    // Replayed through free lists (the counts below are theirs).
+    for op in &ops {
+        if let Op::Enter(name) = op {
+            common::free_lists(name);
+        }
+    }
     let cached = replay::replay(&ops, Device::Cpu, Mode::Gpucache).unwrap();
     gpucache::empty_cache();
     let bare = replay::replay(&ops, Device::Cpu, Mode::Bare).unwrap();

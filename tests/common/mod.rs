@@ -20,7 +20,11 @@ macro_rules! device_tests {
     ($($(#[doc = $doc:literal])* fn $name:ident($dev:ident, $cache:ident) $body:block)*) => {
         $(
             $(#[doc = $doc])*
-            pub fn $name($dev: gpucache::Device, $cache: &str) $body
+            pub fn $name($dev: gpucache::Device, $cache: &str) {
+                // The rules of free lists (a test of another policy configures it itself).
+                crate::common::free_lists($cache);
+                $body
+            }
         )*
 
         /// Every device test of this module, for the GPU harness.
@@ -175,11 +179,21 @@ impl Drop for Exclusive {
     }
 }
 
-/// Configures cache `name` (on every thread): the default options, changed by `set`.
+/// Configures cache `name` (on every thread): free lists with exact keys (`KeyPolicy::Exact`,
+/// the rules most tests check; the default is `KeyPolicy::Planned`) and the default reuse and
+/// cap, changed by `set`.
 pub fn configure(name: &str, set: impl FnOnce(&mut CacheConfig)) {
-    let mut config = CacheConfig::default();
+    let mut config = CacheConfig {
+        key: gpucache::KeyPolicy::Exact,
+        ..CacheConfig::default()
+    };
     set(&mut config);
     gpucache::configure(name, config);
+}
+
+/// Makes cache `name` one of free lists with exact keys and the default reuse ([`configure`]).
+pub fn free_lists(name: &str) {
+    configure(name, |_| {});
 }
 
 /// A seeded generator for the stress and fault tests.

@@ -35,6 +35,7 @@ fn bench(c: &mut Criterion) {
         SCOPE,
         CacheConfig {
             reuse: Reuse::Immediate,
+            key: gpucache::KeyPolicy::Exact,
             ..CacheConfig::default()
         },
     );

@@ -50,6 +50,7 @@ fn immediate_scope(name: &str) -> gpucache::ScopeGuard {
         name,
         CacheConfig {
             reuse: Reuse::Immediate,
+            key: KeyPolicy::Exact,
             ..CacheConfig::default()
         },
     );

@@ -1,7 +1,7 @@
 //! Instruction counts of the hot paths, for `valgrind --tool=callgrind` (deterministic, unlike
 //! timings): `instructions hit N` runs N allocations + drops that hit the free list of a
-//! `Reuse::Immediate` cache inside one scope; `instructions scope N` runs N whole scopes
-//! (`enter` + an allocation + drop + exit, `Reuse::OnExit`); `instructions planned N` runs N
+//! `Reuse::Immediate` cache (`KeyPolicy::Exact`) inside one scope; `instructions scope N` runs N
+//! whole scopes of one (`enter` + an allocation + drop + exit, `Reuse::OnExit`); `instructions planned N` runs N
 //! allocations + drops served by the plan of a `KeyPolicy::Planned` cache, in steps of
 //! [`STEP`] (the step's end amortised over them). The cost of one iteration is the
 //! difference between the counts of two runs (say N = 100,000 and 200,000) divided by their
@@ -33,6 +33,14 @@ fn main() {
         "instructions-hit",
         CacheConfig {
             reuse: Reuse::Immediate,
+            key: KeyPolicy::Exact,
+            ..CacheConfig::default()
+        },
+    );
+    gpucache::configure(
+        "instructions-scope",
+        CacheConfig {
+            key: KeyPolicy::Exact,
             ..CacheConfig::default()
         },
     );

@@ -71,6 +71,7 @@
 //! address; the drop of a planned array is not recorded.
 
 pub(super) mod block;
+pub(super) mod device;
 pub(super) mod layout;
 
 use std::ptr::NonNull;
@@ -84,29 +85,12 @@ use crate::config::{CacheConfig, size_class_within};
 use crate::trace::record::{self, EventKind, Note};
 use crate::{Device, Result};
 use block::{ArenaBlock, BlockPtr, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned};
+use device::{Awaiting, DeviceArena, Plan, Spare};
 use layout::{Layout, NONE, OPEN, Rec, Serve};
 
 /// The most positions a step records; allocations past them are served apart, and the step is
 /// not planned (a scope that never exits must not grow its record without bound).
 const MAX_POSITIONS: u32 = 1 << 20;
-
-/// A plan of one device: its layout and its block.
-pub(super) struct Plan {
-    layout: Layout,
-    /// Made at the plan's first hit.
-    block: Option<BlockPtr>,
-    /// Aligned bytes of the block's arrays alive, as the owner counts them.
-    in_use: usize,
-    /// The block was made ready for this step's stream.
-    ready: bool,
-    /// A view of the block was used on another stream this step: the block leaves the plan at
-    /// the step's end.
-    tainted: bool,
-    /// Per position, the view its last array dropped, kept for the next array there (a cudarc
-    /// view is a `CudaSlice` with events of its own: made once, not every step). Views of the
-    /// block, but no array's: not counted as alive.
-    views: Vec<Option<Block>>,
-}
 
 impl Plan {
     fn new(layout: Layout, block: Option<BlockPtr>) -> Plan {
@@ -171,66 +155,6 @@ impl Plan {
         self.in_use += size;
         uncached(st, g, size);
         Ok(view)
-    }
-}
-
-/// A solo block no array uses, kept for the next solo array it fits.
-pub(super) struct Spare {
-    block: Block,
-    /// The step it became a spare in.
-    step: u32,
-}
-
-/// What a device allocation that the cache asked for ([`Take::Miss`]) is for.
-#[derive(Clone, Copy)]
-enum Awaiting {
-    /// The plan's block, for position `pos` at `offset`, allocation `rec` of the step.
-    Plan { pos: u32, offset: usize, rec: u32 },
-    /// A solo block for position `pos`.
-    Solo { pos: u32 },
-}
-
-/// The planned cache of one device.
-pub(super) struct DeviceArena {
-    device: Device,
-    gauge: GaugeIx,
-    /// The number of the current step (wraps).
-    step: u32,
-    /// The current step's allocations so far.
-    tick: u32,
-    record: Vec<Rec>,
-    /// The step left its plan: plan it again at its end.
-    diverged: bool,
-    /// The step allocated more than [`MAX_POSITIONS`] times: it is not planned.
-    overflowed: bool,
-    plan: Option<Plan>,
-    spares: Vec<Spare>,
-    awaiting: Option<Awaiting>,
-}
-
-// SAFETY: a `DeviceArena` is part of a cache's state, reached only by the holder of its lock (on
-// any thread); its `BlockPtr` stands for the cache's count of an `Arc<ArenaBlock>`, whose fields
-// are `Send` and `Sync` (a block, and atomics).
-unsafe impl Send for DeviceArena {}
-
-/// The planned caches of a cache: one per device it has allocated on.
-#[derive(Default)]
-pub(super) struct Arenas {
-    devices: Vec<DeviceArena>,
-}
-
-impl Arenas {
-    /// The index of `device`'s, if it has one.
-    #[inline]
-    fn index(&self, device: Device) -> Option<usize> {
-        self.devices.iter().position(|a| a.device == device)
-    }
-
-    /// Whether no device has a plan or a spare (retired blocks aside).
-    pub(super) fn is_empty(&self) -> bool {
-        self.devices
-            .iter()
-            .all(|a| a.plan.as_ref().is_none_or(|p| p.block.is_none()) && a.spares.is_empty())
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use hashbrown::HashTable;
 
 use super::Request;
-use super::arena::Arenas;
+use super::arena::device::Arenas;
 use super::counters::{Counters, GaugeIx, add, sub};
 use super::key::{Entry, Key, KeyRef};
 use crate::Device;

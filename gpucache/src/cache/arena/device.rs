@@ -1,0 +1,87 @@
+//! The state of a planned cache, per device: the step's record, its plan and the plan's block,
+//! the spares (data only; the `arena` module holds what is done with it). It sits below the
+//! cache state, which holds one [`Arenas`].
+
+use super::block::BlockPtr;
+use super::layout::{Layout, Rec};
+use crate::Device;
+use crate::backend::Block;
+use crate::cache::counters::GaugeIx;
+
+/// A plan of one device: its layout and its block.
+pub(in crate::cache) struct Plan {
+    pub(super) layout: Layout,
+    /// Made at the plan's first hit.
+    pub(super) block: Option<BlockPtr>,
+    /// Aligned bytes of the block's arrays alive, as the owner counts them.
+    pub(super) in_use: usize,
+    /// The block was made ready for this step's stream.
+    pub(super) ready: bool,
+    /// A view of the block was used on another stream this step: the block leaves the plan at
+    /// the step's end.
+    pub(super) tainted: bool,
+    /// Per position, the view its last array dropped, kept for the next array there (a cudarc
+    /// view is a `CudaSlice` with events of its own: made once, not every step). Views of the
+    /// block, but no array's: not counted as alive.
+    pub(super) views: Vec<Option<Block>>,
+}
+
+/// A solo block no array uses, kept for the next solo array it fits.
+pub(in crate::cache) struct Spare {
+    pub(super) block: Block,
+    /// The step it became a spare in.
+    pub(super) step: u32,
+}
+
+/// What a device allocation that the cache asked for (a `Take::Miss`) is for.
+#[derive(Clone, Copy)]
+pub(super) enum Awaiting {
+    /// The plan's block, for position `pos` at `offset`, allocation `rec` of the step.
+    Plan { pos: u32, offset: usize, rec: u32 },
+    /// A solo block for position `pos`.
+    Solo { pos: u32 },
+}
+
+/// The planned cache of one device.
+pub(in crate::cache) struct DeviceArena {
+    pub(super) device: Device,
+    pub(super) gauge: GaugeIx,
+    /// The number of the current step (wraps).
+    pub(super) step: u32,
+    /// The current step's allocations so far.
+    pub(super) tick: u32,
+    pub(super) record: Vec<Rec>,
+    /// The step left its plan: plan it again at its end.
+    pub(super) diverged: bool,
+    /// The step allocated more than the most positions a step records: it is not planned.
+    pub(super) overflowed: bool,
+    pub(super) plan: Option<Plan>,
+    pub(super) spares: Vec<Spare>,
+    pub(super) awaiting: Option<Awaiting>,
+}
+
+// SAFETY: a `DeviceArena` is part of a cache's state, reached only by the holder of its lock (on
+// any thread); its `BlockPtr` stands for the cache's count of an `Arc<ArenaBlock>`, whose fields
+// are `Send` and `Sync` (a block, and atomics).
+unsafe impl Send for DeviceArena {}
+
+/// The planned caches of a cache: one per device it has allocated on.
+#[derive(Default)]
+pub(in crate::cache) struct Arenas {
+    pub(super) devices: Vec<DeviceArena>,
+}
+
+impl Arenas {
+    /// The index of `device`'s, if it has one.
+    #[inline]
+    pub(super) fn index(&self, device: Device) -> Option<usize> {
+        self.devices.iter().position(|a| a.device == device)
+    }
+
+    /// Whether no device has a plan or a spare (retired blocks aside).
+    pub(super) fn is_empty(&self) -> bool {
+        self.devices
+            .iter()
+            .all(|a| a.plan.as_ref().is_none_or(|p| p.block.is_none()) && a.spares.is_empty())
+    }
+}

@@ -41,8 +41,11 @@ use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
 
 /// The gpucache configurations the report replays every log under (a new policy is one line).
 pub const CONFIGS: &[(&str, CacheConfig)] = &[
-    ("exact/on-exit (default)", config(Reuse::OnExit, KeyPolicy::Exact)),
-    ("planned", config(Reuse::OnExit, KeyPolicy::Planned)),
+    (
+        "planned (default)",
+        config(Reuse::OnExit, KeyPolicy::Planned),
+    ),
+    ("exact/on-exit", config(Reuse::OnExit, KeyPolicy::Exact)),
     (
         "exact/immediate",
         config(Reuse::Immediate, KeyPolicy::Exact),

@@ -1,20 +1,24 @@
 //! The CPU integration tests, in one binary (one link instead of one per file):
 //!
 //! * `semantics`: the cache's rules, one test each (and on the GPU in `tests/cuda`);
-//! * `arena`: planned caches (`KeyPolicy::Planned`);
+//! * `planned`: planned caches (`KeyPolicy::Planned`, the default): plans, divergence, escapes,
+//!   drops on other threads, the byte cap, invalidation, out-of-memory recovery, thread exit;
 //! * `threads`: named caches across threads;
 //! * `failures`: typed errors, out-of-memory recovery, `empty_cache`;
 //! * `faults`: allocations failing on purpose (`testing::CountingBackend`);
-//! * `prop_programs`: random operation programs checked against a model after every step;
+//! * `prop_programs`: random operation programs on caches of free lists, checked against a model
+//!   after every step; `prop_planned`: random programs on planned caches, checked for safety (no
+//!   shared storage, patterns intact, every byte accounted and given back) and for settling on
+//!   a plan; `programs`: what the two share;
 //! * `stress`: many threads, many operations;
 //! * `disable`: `GPUCACHE_DISABLE` (in child processes of this binary, their output captured);
 //! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
 //! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes), the
 //!   allocation log of `examples/replay` and the replay of its fixture;
 //! * `replay_logs`: the PyTorch models' allocation logs (`tests/fixtures/*.csv.gz`) replay at or
-//!   above their peak live bytes;
-//! * `plan`: the step planner of `examples/replay/plan.rs` (property tests, small plans worked
-//!   out by hand, and what plans hold on the PyTorch models' logs);
+//!   above their peak live bytes, and planned caches within 1.10x (1.5x on decoding);
+//! * `plan`: the step planner (`gpucache::planner`; property tests, small plans worked out by
+//!   hand, and what plans hold on the PyTorch models' logs);
 //! * `tracing_events` (feature `tracing`): misses, evictions, invalidations and out-of-memory as
 //!   `tracing` events.
 //!
@@ -27,12 +31,14 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-mod arena;
 mod disable;
 mod failures;
 mod faults;
 mod macros;
 mod plan;
+mod planned;
+mod programs;
+mod prop_planned;
 mod prop_programs;
 #[path = "../../examples/replay/mod.rs"]
 mod replay;

@@ -54,7 +54,10 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
             if matches!(mode, Mode::Configured(c) if c.key == KeyPolicy::Planned) {
                 let ratio = m.peak_device as f64 / live as f64;
                 let bound = if *log == "gpt2_decode" { 1.5 } else { 1.10 };
-                assert!(ratio <= bound, "{log}, planned: {ratio:.3}x > {bound}x ({m:?})");
+                assert!(
+                    ratio <= bound,
+                    "{log}, planned: {ratio:.3}x > {bound}x ({m:?})"
+                );
                 if log.ends_with("_train") {
                     assert_eq!(m.allocs_after_step2, 0, "{log}, planned: {m:?}");
                 }

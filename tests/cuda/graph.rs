@@ -173,7 +173,11 @@ fn mlp_steps(dev: Device, name: &str, planned: bool) -> TestResult {
     let step_bytes = dims.step_buffers().iter().sum::<usize>() * 4;
     if planned {
         // Views of the plan's block: what the step's arrays need, at most.
-        assert!((1..=step_bytes).contains(&graph.held_bytes()), "{}", graph.held_bytes());
+        assert!(
+            (1..=step_bytes).contains(&graph.held_bytes()),
+            "{}",
+            graph.held_bytes()
+        );
     } else {
         assert_eq!(
             graph.held_bytes(),

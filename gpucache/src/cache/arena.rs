@@ -202,6 +202,7 @@ impl DeviceArena {
             tick: 0,
             record: Vec::new(),
             diverged: false,
+            replan: false,
             overflowed: false,
             plan: None,
             spares: Vec::new(),
@@ -209,9 +210,10 @@ impl DeviceArena {
         }
     }
 
-    /// A spare of at least `size` bytes and at most a quarter more, idle, the smallest such.
+    /// A spare of at least `size` bytes and at most a quarter more (or `size`'s size class, which
+    /// the blocks of arrays planned apart are rounded to), idle, the smallest such.
     fn take_spare(&mut self, st: &Counters, size: usize) -> Option<Block> {
-        let most = size.saturating_add(size / 4);
+        let most = size.saturating_add(size / 4).max(size_class_within(size));
         let i = self
             .spares
             .iter()
@@ -295,7 +297,7 @@ impl DeviceArena {
         let tainted = self.plan.as_ref().is_some_and(|p| p.tainted);
         if self.overflowed {
             retired += usize::from(self.drop_plan(st));
-        } else if n > 0 && (self.diverged || !whole) {
+        } else if n > 0 && (self.diverged || self.replan || !whole) {
             let layout = Layout::new(&self.record, self.plan.as_ref().map(|p| &p.layout));
             let mut keep = None;
             if let Some((b, in_use)) = self.plan.take().and_then(|mut old| old.take_block()) {
@@ -320,6 +322,7 @@ impl DeviceArena {
         self.record.clear();
         self.tick = 0;
         self.diverged = false;
+        self.replan = false;
         self.overflowed = false;
         self.awaiting = None;
         let step = self.step;
@@ -696,6 +699,10 @@ impl CacheState {
             }
             if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
                 r.end = a.tick;
+                // Planned apart, yet it died in its step: the next plan places it.
+                if counts.solo && a.plan.as_ref().is_some_and(|p| p.layout.is_apart(r.planned)) {
+                    a.replan = true;
+                }
             }
             if !counts.retired.load(Relaxed) {
                 if a.diverged {

@@ -53,6 +53,9 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) record: Vec<Rec>,
     /// The step left its plan: plan it again at its end.
     pub(super) diverged: bool,
+    /// An array served apart as planned (it outlived the recorded step) dropped within this
+    /// step: plan again at the step's end, with it in the plan (it follows the plan otherwise).
+    pub(super) replan: bool,
     /// The step allocated more than the most positions a step records: it is not planned.
     pub(super) overflowed: bool,
     pub(super) plan: Option<Plan>,

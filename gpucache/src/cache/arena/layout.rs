@@ -285,6 +285,11 @@ impl Layout {
         s.rec
     }
 
+    /// Whether position `k` is apart.
+    pub(super) fn is_apart(&self, k: u32) -> bool {
+        self.spots.get(k as usize).is_some_and(|s| s.apart)
+    }
+
     /// The index in the record of the allocation served at position `k` last.
     pub(super) fn rec_of(&self, k: u32) -> u32 {
         self.spots.get(k as usize).map_or(NONE, |s| s.rec)

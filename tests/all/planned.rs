@@ -66,7 +66,11 @@ fn a_repeated_step_allocates_in_its_first_two_steps_only_and_holds_its_peak() {
     assert_eq!(backend.allocs(), 4);
     assert_eq!(second[0], second[2], "c is planned over a");
     let peak = up(64 * 64 * 4) + up(64);
-    assert_eq!(backend.outstanding_bytes(), peak, "the step's peak, not its sum");
+    assert_eq!(
+        backend.outstanding_bytes(),
+        peak,
+        "the step's peak, not its sum"
+    );
     // Then every step is served at the same addresses, with no device allocation.
     for _ in 0..3 {
         assert_eq!(step(name, 64), second);
@@ -97,7 +101,11 @@ fn smaller_steps_fit_the_plan_and_a_larger_one_plans_again() {
     for rows in [128, 64, 100] {
         step(name, rows);
     }
-    assert_eq!(backend.allocs(), allocs, "the new plan fits every size seen");
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "the new plan fits every size seen"
+    );
     assert_eq!(
         backend.outstanding_bytes(),
         up(128 * 64 * 4) + up(128),
@@ -169,13 +177,20 @@ fn arrays_that_outlive_their_step_are_served_apart_and_never_overwritten() {
     for i in 0..6u8 {
         kept.push(escaping(name, i));
         for (j, a) in kept.iter().enumerate() {
-            assert!(common::all_eq(a, j as u8), "escaped array {j} after step {i}");
+            assert!(
+                common::all_eq(a, j as u8),
+                "escaped array {j} after step {i}"
+            );
         }
     }
     let mut addrs: Vec<usize> = kept.iter().map(addr).collect();
     addrs.sort_unstable();
     addrs.dedup();
-    assert_eq!(addrs.len(), kept.len(), "each escaped array has bytes of its own");
+    assert_eq!(
+        addrs.len(),
+        kept.len(),
+        "each escaped array has bytes of its own"
+    );
     drop(kept);
     // Dropped after their steps: spares for one more step, then given back.
     escaping(name, 0);

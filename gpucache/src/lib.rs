@@ -350,6 +350,7 @@ pub mod planner;
 mod registry;
 mod scope;
 mod shape;
+mod sync;
 pub mod testing;
 mod thread;
 pub mod trace;

@@ -150,7 +150,7 @@ impl Plan {
                 unsafe { counts.block.view(owner, offset, bytes) }?
             }
         };
-        counts.local.store(counts.local.load(Relaxed) + 1, Relaxed);
+        counts.count_view();
         let size = aligned(bytes).unwrap_or(bytes);
         self.in_use += size;
         uncached(st, g, size);
@@ -163,7 +163,10 @@ enum Planned {
     /// A view, with its home's `slot` and step.
     View(Block, u32, u32),
     /// Allocate a block of `capacity` bytes and pass it to [`CacheCell::adopt`].
-    Alloc { capacity: usize, shared: bool },
+    Alloc {
+        capacity: usize,
+        shared: bool,
+    },
     /// The cache tracks its most devices: allocate without it.
     Bypass,
     Failed(crate::Error),
@@ -235,9 +238,7 @@ impl DeviceArena {
         if counts.views() > 0 {
             // The rest of the block is not handed out again: in use until it comes back.
             uncached(st, self.gauge, bytes - in_use);
-            counts.retired.store(true, Relaxed);
-            let local = counts.local.swap(0, Relaxed) as isize;
-            if counts.shared.fetch_add(local, AcqRel) + local > 0 {
+            if counts.retire() {
                 return true;
             }
             // Every array dropped meanwhile on another thread: it is ours again.
@@ -265,8 +266,11 @@ impl DeviceArena {
         let Some(plan) = &mut self.plan else {
             return false;
         };
-        // SAFETY: a plan's block is the cache's until detached.
-        if plan.block.is_none_or(|b| unsafe { b.as_ref() }.views() != 0) {
+        let in_use = |b: BlockPtr| {
+            // SAFETY: a plan's block is the cache's until detached.
+            unsafe { b.as_ref() }.views() != 0
+        };
+        if plan.block.is_none_or(in_use) {
             return false;
         }
         plan.take_block()
@@ -485,7 +489,9 @@ impl CacheState {
         let arena = plan.block.filter(|_| plan.ready)?;
         let size = aligned(req.bytes)?;
         let (offset, pos) = plan.layout.peek(size)?;
-        let view = plan.view(st, a.gauge, arena, (pos, offset), req.bytes).ok()?;
+        let view = plan
+            .view(st, a.gauge, arena, (pos, offset), req.bytes)
+            .ok()?;
         let rec = a.tick;
         a.tick = rec + 1;
         a.record.push(Rec {
@@ -564,12 +570,7 @@ impl CacheState {
 
     /// The outermost scope exited: every device's step ends.
     fn end_step(&mut self, st: &Counters) {
-        let retired: usize = self
-            .arenas
-            .devices
-            .iter_mut()
-            .map(|a| a.end_step(st))
-            .sum();
+        let retired: usize = self.arenas.devices.iter_mut().map(|a| a.end_step(st)).sum();
         self.live += retired;
         self.evict_spares(st, self.config.max_cached_bytes);
     }
@@ -674,8 +675,8 @@ impl CacheState {
             let a = &mut self.arenas.devices[i];
             escaped = home.generation != a.step;
             let mut rec = pos;
-            if !counts.retired.load(Relaxed) {
-                counts.local.store(counts.local.load(Relaxed) - 1, Relaxed);
+            if !counts.is_retired() {
+                counts.uncount_view();
                 // A block that is not retired is its plan's.
                 if let Some(plan) = &mut a.plan {
                     let size = aligned(bytes).unwrap_or(bytes);
@@ -700,11 +701,15 @@ impl CacheState {
             if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
                 r.end = a.tick;
                 // Planned apart, yet it died in its step: the next plan places it.
-                if counts.solo && a.plan.as_ref().is_some_and(|p| p.layout.is_apart(r.planned)) {
+                if counts.solo
+                    && a.plan
+                        .as_ref()
+                        .is_some_and(|p| p.layout.is_apart(r.planned))
+                {
                     a.replan = true;
                 }
             }
-            if !counts.retired.load(Relaxed) {
+            if !counts.is_retired() {
                 if a.diverged {
                     self.live += usize::from(a.release_unused_block(st));
                 }
@@ -715,7 +720,7 @@ impl CacheState {
             // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.
             unsafe { view.drop_view() };
         }
-        if counts.shared.fetch_sub(1, AcqRel) == 1 {
+        if counts.release_view() {
             let (generation, solo) = (counts.generation, counts.solo);
             // SAFETY: the last view is gone; nothing else points at a retired block.
             let block = unsafe { ArenaBlock::into_block(arena) };
@@ -921,7 +926,7 @@ impl CacheCell {
             unsafe { view.drop_view() };
             // SAFETY: as above.
             let counts = unsafe { arena.as_ref() };
-            if counts.shared.fetch_sub(1, AcqRel) == 1 {
+            if counts.release_view() {
                 let home = Home {
                     generation: counts.generation,
                     slot: if counts.solo {

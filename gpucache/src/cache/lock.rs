@@ -16,10 +16,18 @@
 //! Waiting is rare: only the owner waits, outside a scope, while another thread holds the lock
 //! to serve a request. Waiters spin briefly, then park (`parking_lot_core`, keyed by the lock's
 //! address, as `parking_lot`'s own mutex does).
+//!
+//! The byte is a [`crate::sync`] atomic, so that the loom tests (`loom_tests`, under
+//! `cfg(loom)`) check this protocol as `cache` and `cache::remote` use it. Under loom, parking
+//! and spinning, which loom can neither see nor schedule around, become a wait with loom's
+//! `yield_now` (see [`CellLock::park`]).
 
-use std::sync::atomic::{AtomicU8, Ordering::*};
+use std::sync::atomic::Ordering::*;
 
+#[cfg(not(loom))]
 use parking_lot_core::{DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN, SpinWait};
+
+use crate::sync::AtomicU8;
 
 /// The lock is held.
 const LOCKED: u8 = 1;
@@ -32,7 +40,13 @@ pub(super) const RETURNED: u8 = 8;
 
 /// A cache's lock and hints (see the module docs).
 #[derive(Debug, Default)]
-pub(super) struct CellLock(AtomicU8);
+pub(super) struct CellLock(
+    AtomicU8,
+    /// Under loom, this lock's queue in the parking lot: its bucket's mutex, and the number of
+    /// `unpark_all` calls so far (see [`CellLock::park`]).
+    #[cfg(loom)]
+    loom::sync::Mutex<u64>,
+);
 
 impl CellLock {
     /// Takes the lock if it is free and no hint is set (the scope-entry fast path).
@@ -96,16 +110,59 @@ impl CellLock {
                     continue;
                 }
             }
-            let key = self.key();
-            let validate = || self.0.load(Relaxed) & (LOCKED | PARKED) == LOCKED | PARKED;
-            // SAFETY: the key is this lock's address, which no other synchronisation primitive
-            // uses (the byte is owned by this `CellLock`); `validate` only loads an atomic and
-            // cannot panic; the other callbacks do nothing.
-            unsafe {
-                parking_lot_core::park(key, validate, || {}, |_, _| {}, DEFAULT_PARK_TOKEN, None);
-            }
+            self.park();
             spin.reset();
         }
+    }
+
+    /// Waits, unless the lock is free or [`PARKED`] is off by then, until the holder gives the
+    /// lock up and calls [`CellLock::unpark_all`].
+    #[cfg(not(loom))]
+    #[inline]
+    fn park(&self) {
+        let key = self.key();
+        let validate = || self.0.load(Relaxed) & (LOCKED | PARKED) == LOCKED | PARKED;
+        // SAFETY: the key is this lock's address, which no other synchronisation primitive
+        // uses (the byte is owned by this `CellLock`); `validate` only loads an atomic and
+        // cannot panic; the other callbacks do nothing.
+        unsafe {
+            parking_lot_core::park(key, validate, || {}, |_, _| {}, DEFAULT_PARK_TOKEN, None);
+        }
+    }
+
+    /// Wakes the threads parked on this lock.
+    #[cfg(not(loom))]
+    #[inline]
+    fn unpark_all(&self) {
+        // SAFETY: as in `park`: this lock's own address.
+        unsafe { parking_lot_core::unpark_all(self.key(), DEFAULT_UNPARK_TOKEN) };
+    }
+
+    /// [`CellLock::park`] under loom, which cannot run `parking_lot_core` (its atomics and its
+    /// bucket locks are std's, and it would block the one OS thread that runs every modelled
+    /// thread). The same contract, on loom's primitives: `validate` is checked under the
+    /// bucket's mutex, as `parking_lot_core::park` does, and the thread then waits, spinning
+    /// with loom's `yield_now`, until a call of [`CellLock::unpark_all`] after that check. A
+    /// missing wake-up leaves the waiter spinning, which loom reports (its branch limit).
+    #[cfg(loom)]
+    fn park(&self) {
+        let parked_at = {
+            let lot = self.1.lock().unwrap();
+            if self.0.load(Relaxed) & (LOCKED | PARKED) != LOCKED | PARKED {
+                return;
+            }
+            *lot
+        };
+        while *self.1.lock().unwrap() == parked_at {
+            loom::thread::yield_now();
+        }
+    }
+
+    /// [`CellLock::unpark_all`] under loom: wakes every thread parked so far (see
+    /// [`CellLock::park`]).
+    #[cfg(loom)]
+    fn unpark_all(&self) {
+        *self.1.lock().unwrap() += 1;
     }
 
     /// Whether `hint` is set (a hint: read without ordering; the holder takes it with
@@ -146,18 +203,39 @@ impl CellLock {
             }
         }
         if state & PARKED != 0 {
-            // SAFETY: as in `lock_slow`: this lock's own address.
-            unsafe { parking_lot_core::unpark_all(self.key(), DEFAULT_UNPARK_TOKEN) };
+            self.unpark_all();
         }
         true
     }
 
+    #[cfg(not(loom))]
     fn key(&self) -> usize {
         self as *const Self as usize
     }
 }
 
-#[cfg(test)]
+/// `parking_lot_core::SpinWait` under loom: no spinning, which would only multiply the states
+/// loom explores (each spin retries the byte); the waiter parks at once (see [`CellLock::park`]).
+#[cfg(loom)]
+struct SpinWait;
+
+#[cfg(loom)]
+impl SpinWait {
+    fn new() -> SpinWait {
+        SpinWait
+    }
+
+    fn spin(&mut self) -> bool {
+        false
+    }
+
+    fn reset(&mut self) {}
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests;
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::Arc;

@@ -201,11 +201,7 @@ impl CacheCell {
             depth: AtomicU32::new(0),
             flags: AtomicU8::new(
                 if record::on() { TRACED } else { 0 }
-                    | if config.key.is_planned() {
-                        ARENA
-                    } else {
-                        0
-                    },
+                    | if config.key.is_planned() { ARENA } else { 0 },
             ),
             state: UnsafeCell::new(CacheState::new(config, config_seq, Arc::clone(&trace))),
             stats: Counters::default(),

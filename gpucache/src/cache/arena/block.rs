@@ -6,9 +6,11 @@
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicPtr, Ordering::*};
 
 use crate::backend::{AllocError, Backend, Block, Storage};
+// The view counts are `crate::sync` atomics: loom's under `cfg(loom)`, for `loom_tests`.
+use crate::sync::{AtomicBool, AtomicIsize, AtomicUsize};
 use crate::{Device, DeviceStats, Result};
 
 /// The `slot` of an arena array's [`Home`](crate::cache::Home) is `VIEW_BASE` plus its position
@@ -30,8 +32,6 @@ pub(in crate::cache) const RETURNED_PLAN: u32 = u32::MAX - 1;
 pub(in crate::cache) fn is_arena_slot(slot: u32) -> bool {
     slot >= VIEW_BASE
 }
-
-
 
 /// `bytes` rounded up to [`ALIGN`](crate::planner::ALIGN) (`None` past the largest size).
 #[inline]
@@ -154,8 +154,46 @@ impl ArenaBlock {
         unsafe { &mut (*this.as_ptr()).block }
     }
 
+    /// A view of the block was made (lock holder, before retirement).
+    #[inline]
+    pub(in crate::cache) fn count_view(&self) {
+        self.local.store(self.local.load(Relaxed) + 1, Relaxed);
+    }
+
+    /// Whether the block is retired (read by the lock holder, who retires it).
+    #[inline]
+    pub(in crate::cache) fn is_retired(&self) -> bool {
+        self.retired.load(Relaxed)
+    }
+
+    /// A view dropped on the owner thread before retirement (lock holder).
+    #[inline]
+    pub(in crate::cache) fn uncount_view(&self) {
+        self.local.store(self.local.load(Relaxed) - 1, Relaxed);
+    }
+
+    /// A view dropped anywhere but on the owner before retirement: counted down in `shared`.
+    /// Returns whether it was the last view of a retired block, whose dropper owns the block
+    /// now (synchronised with every other view's drop by `AcqRel`).
+    #[inline]
+    pub(in crate::cache) fn release_view(&self) -> bool {
+        self.shared.fetch_sub(1, AcqRel) == 1
+    }
+
+    /// Retires the block (lock holder): from now on every view's drop goes to
+    /// [`ArenaBlock::release_view`]. Returns whether views are alive; `false`: every view was
+    /// dropped meanwhile on other threads, and the caller owns the block again.
+    pub(in crate::cache) fn retire(&self) -> bool {
+        self.retired.store(true, Relaxed);
+        let local = self.local.swap(0, Relaxed) as isize;
+        self.shared.fetch_add(local, AcqRel) + local > 0
+    }
+
     /// The views alive (lock holder, before retirement).
     pub(in crate::cache) fn views(&self) -> isize {
         self.local.load(Relaxed) as isize + self.shared.load(Acquire)
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_tests;

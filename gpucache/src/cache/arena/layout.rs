@@ -396,7 +396,13 @@ mod tests {
     #[test]
     fn positions_apart_that_do_not_recur_are_skipped() {
         // The first step made two arrays that outlived it (1 and 3), the next does not.
-        let first = vec![rec(256, 2), rec(4096, OPEN), rec(512, 4), rec(8192, OPEN), rec(256, 5)];
+        let first = vec![
+            rec(256, 2),
+            rec(4096, OPEN),
+            rec(512, 4),
+            rec(8192, OPEN),
+            rec(256, 5),
+        ];
         let mut l = Layout::new(&first, None);
         assert!(at(&mut l, 256).is_some());
         // 512 is not near 4096: position 1 is skipped, position 2 serves it.

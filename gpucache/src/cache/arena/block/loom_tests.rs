@@ -1,0 +1,265 @@
+//! Loom models of the biased view count of arena blocks (`RUSTFLAGS="--cfg loom" cargo test -p
+//! gpucache --lib --release loom`; see CONTRIBUTING.md).
+//!
+//! Each model runs on a real [`ArenaBlock`] (made by [`ArenaBlock::new`] from a block of the
+//! CPU backend; its `local`, `shared` and `retired` are loom atomics under `cfg(loom)`), with
+//! real views of it ([`Block::view`], given back with [`Block::drop_view`]). The count's updates
+//! are the [`ArenaBlock`] methods that `cache/arena.rs` calls, driven in the order it calls them
+//! (its cache state, which loom cannot build, is left out):
+//! * [`Model::make_view`]: `Plan::view` (owner, lock held): [`ArenaBlock::count_view`];
+//! * [`Model::drop_on_owner`]: `CacheState::drop_view` (owner, lock held, reached from
+//!   `CacheCell::view_dropped`): before retirement [`ArenaBlock::uncount_view`], after it
+//!   [`ArenaBlock::release_view`], whose last drop takes the block back;
+//! * [`Model::drop_on_other`]: the other-thread branch of `CacheCell::view_dropped`:
+//!   [`ArenaBlock::release_view`];
+//! * [`Model::detach`]: `DeviceArena::detach` (owner, lock held): with `views()` at 0 the block
+//!   is taken back at once; else [`ArenaBlock::retire`], and the block is taken back if that
+//!   leaves no view.
+//!
+//! Every model checks that exactly one party takes the block back, that it does so only once
+//! every view is gone (a count of the views alive reads zero), and, through loom `UnsafeCell`s
+//! standing for the views' bytes (each written by its array before it drops, and all of them
+//! by the party that takes the block back to reuse it), that the taking is ordered after every
+//! use of every view. The block itself goes back ([`ArenaBlock::into_block`]) once every
+//! thread has joined, so that a model that found two takers fails its assertion rather than
+//! free the block twice.
+
+use std::sync::Arc as StdArc;
+use std::sync::atomic::Ordering::*;
+
+use loom::cell::UnsafeCell;
+use loom::sync::Arc;
+use loom::sync::atomic::AtomicUsize;
+use loom::thread;
+
+use super::{ArenaBlock, BlockPtr};
+use crate::Device;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, Block};
+use crate::sync::model;
+
+/// Bytes of each view.
+const VIEW_BYTES: usize = 64;
+
+/// An arena block with room for `N` views, and what the model watches.
+struct Model<const N: usize> {
+    block: BlockPtr,
+    /// Per view, the bytes it uses.
+    bytes: [UnsafeCell<u8>; N],
+    /// Views alive (made and not yet dropped).
+    alive: AtomicUsize,
+    /// Parties that took the block back.
+    taken: AtomicUsize,
+}
+
+// SAFETY: as `DeviceArena`'s: `block` stands for the count of an `Arc<ArenaBlock>`, whose
+// fields are `Send` and `Sync` (a block, and atomics); it stays alive until `Model::finish`,
+// after every thread has joined. The rest are loom cells and atomics, whose accesses loom checks.
+unsafe impl<const N: usize> Send for Model<N> {}
+// SAFETY: as above.
+unsafe impl<const N: usize> Sync for Model<N> {}
+
+impl<const N: usize> Model<N> {
+    /// A plan's block (`ArenaBlock::new`), with no view yet.
+    fn new() -> Model<N> {
+        let backend: StdArc<dyn Backend> = StdArc::new(CpuBackend::default());
+        let block = Block::alloc(&backend, Device::Cpu, N * VIEW_BYTES, false).unwrap();
+        Model {
+            block: ArenaBlock::new(block, 0),
+            bytes: std::array::from_fn(|_| UnsafeCell::new(0)),
+            alive: AtomicUsize::new(0),
+            taken: AtomicUsize::new(0),
+        }
+    }
+
+    fn counts(&self) -> &ArenaBlock {
+        // SAFETY: the block is alive until `finish`.
+        unsafe { self.block.as_ref() }
+    }
+
+    /// `Plan::view` (owner): view `i` of the block, counted in `local`.
+    fn make_view(&self, i: usize) -> Block {
+        let counts = self.counts();
+        let owner: *const dyn Backend = self.block.as_ptr().cast_const();
+        // SAFETY: as in `Plan::view`: the range is inside the block (`N` views of
+        // `VIEW_BYTES`), `owner` is the block's `Arc::into_raw` pointer, and the block stays
+        // alive, unmoved and untouched through `&mut` while the view lives (until `finish`).
+        let view = unsafe { counts.block.view(owner, i * VIEW_BYTES, VIEW_BYTES) }.unwrap();
+        counts.count_view();
+        self.alive.fetch_add(1, Relaxed);
+        view
+    }
+
+    /// The array of view `i` uses its bytes, then drops.
+    fn use_and_drop(&self, i: usize) {
+        // SAFETY: the cell stands for view `i`'s bytes; loom checks that no other access to
+        // it is unordered with this one.
+        self.bytes[i].with_mut(|b| unsafe { *b += 1 });
+        self.alive.fetch_sub(1, Relaxed);
+    }
+
+    /// `CacheState::drop_view` on the owner thread, lock held.
+    fn drop_on_owner(&self, i: usize, view: Block) {
+        self.use_and_drop(i);
+        let counts = self.counts();
+        if !counts.is_retired() {
+            counts.uncount_view();
+            // SAFETY: made by `Block::view`, and its block is alive.
+            unsafe { view.drop_view() };
+            return;
+        }
+        // SAFETY: as above.
+        unsafe { view.drop_view() };
+        if counts.release_view() {
+            self.take_back();
+        }
+    }
+
+    /// `CacheCell::view_dropped` on another thread.
+    fn drop_on_other(&self, i: usize, view: Block) {
+        self.use_and_drop(i);
+        // SAFETY: made by `Block::view`, and its block is alive.
+        unsafe { view.drop_view() };
+        let counts = self.counts();
+        if counts.release_view() {
+            self.take_back();
+        }
+    }
+
+    /// `DeviceArena::detach` (owner, lock held): takes the block out of its plan; returns
+    /// whether it was retired (else taken back at once).
+    fn detach(&self) -> bool {
+        let counts = self.counts();
+        if counts.views() > 0 && counts.retire() {
+            return true;
+        }
+        self.take_back();
+        false
+    }
+
+    /// What the party whose count said "no view left" does: takes the block back (counted
+    /// here; see `finish`) and reuses its bytes.
+    fn take_back(&self) {
+        assert_eq!(self.alive.load(Relaxed), 0, "taken back with a view alive");
+        assert_eq!(self.taken.fetch_add(1, Relaxed), 0, "taken back twice");
+        for bytes in &self.bytes {
+            // SAFETY: the block's bytes are the taker's now; loom checks that every view's
+            // use is ordered before.
+            bytes.with_mut(|b| unsafe { *b = 0 });
+        }
+    }
+
+    /// After every thread has joined: the block was taken back once, and goes back.
+    fn finish(self) {
+        assert_eq!(self.alive.load(Relaxed), 0);
+        assert_eq!(self.taken.load(Relaxed), 1, "never taken back");
+        // SAFETY: made by `ArenaBlock::new`; no view is alive (all dropped, checked above), and
+        // the pointer is not used again.
+        drop(unsafe { ArenaBlock::into_block(self.block) });
+    }
+}
+
+/// Three views: one dropped on the owner before the block is retired, one on another thread
+/// at any time, one on the owner after retirement. The taker is the owner's `detach`, its last
+/// drop, or the other thread.
+#[test]
+fn loom_block_retired_with_views_on_both_threads() {
+    model("block_retired_with_views_on_both_threads", || {
+        let m = Arc::new(Model::<3>::new());
+        let (a, b, c) = (m.make_view(0), m.make_view(1), m.make_view(2));
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(1, b));
+        m.drop_on_owner(0, a);
+        m.detach();
+        m.drop_on_owner(2, c);
+        t.join().unwrap();
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// A view made while another thread drops an older one, both of the owner's views dropped
+/// before `detach`: the block is freed at once if the other thread's drop was seen (`views()`
+/// is 0), else retired with its count at 0 or 1, and taken back by whichever drop ends it.
+#[test]
+fn loom_block_detached_after_owner_drops() {
+    model("block_detached_after_owner_drops", || {
+        let m = Arc::new(Model::<3>::new());
+        let (a, b) = (m.make_view(0), m.make_view(1));
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(1, b));
+        let c = m.make_view(2);
+        m.drop_on_owner(0, a);
+        m.drop_on_owner(2, c);
+        m.detach();
+        t.join().unwrap();
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// The block retired first, then its views dropped on both threads at once: the last
+/// `fetch_sub`, on either thread, takes it back.
+#[test]
+fn loom_block_views_dropped_after_retirement() {
+    model("block_views_dropped_after_retirement", || {
+        let m = Arc::new(Model::<3>::new());
+        let (a, b, c) = (m.make_view(0), m.make_view(1), m.make_view(2));
+        assert!(m.detach(), "retired: views are alive");
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || {
+            other.drop_on_other(1, b);
+            other.drop_on_other(2, c);
+        });
+        m.drop_on_owner(0, a);
+        t.join().unwrap();
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// Views dropped on two other threads while the owner retires the block and drops its own
+/// view: any of the three may be the last.
+#[test]
+fn loom_block_retired_while_two_threads_drop() {
+    model("block_retired_while_two_threads_drop", || {
+        let m = Arc::new(Model::<3>::new());
+        let (a, b, c) = (m.make_view(0), m.make_view(1), m.make_view(2));
+        let others: Vec<_> = [(1, b), (2, c)]
+            .into_iter()
+            .map(|(i, view)| {
+                let other = Arc::clone(&m);
+                thread::spawn(move || other.drop_on_other(i, view))
+            })
+            .collect();
+        m.detach();
+        m.drop_on_owner(0, a);
+        for t in others {
+            t.join().unwrap();
+        }
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// A solo block (`ArenaBlock::new_solo`: retired from the start, its one view counted in
+/// `shared`) whose view drops on another thread while the owner does nothing with it.
+#[test]
+fn loom_solo_block_taken_back_once() {
+    model("solo_block_taken_back_once", || {
+        let backend: StdArc<dyn Backend> = StdArc::new(CpuBackend::default());
+        let block = Block::alloc(&backend, Device::Cpu, VIEW_BYTES, false).unwrap();
+        let m = Arc::new(Model::<1> {
+            block: ArenaBlock::new_solo(block, 0),
+            bytes: [UnsafeCell::new(0)],
+            alive: AtomicUsize::new(0),
+            taken: AtomicUsize::new(0),
+        });
+        // The solo block's view, already counted by `new_solo`.
+        let counts = m.counts();
+        let owner: *const dyn Backend = m.block.as_ptr().cast_const();
+        // SAFETY: as in `Model::make_view`.
+        let view = unsafe { counts.block.view(owner, 0, VIEW_BYTES) }.unwrap();
+        m.alive.fetch_add(1, Relaxed);
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(0, view));
+        t.join().unwrap();
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}

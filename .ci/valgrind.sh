@@ -4,7 +4,10 @@
 # error or definitely lost block fails the run. Extra arguments go to `cargo test --no-run`.
 #
 # The property tests and the stress test run with small sizes here (valgrind runs code 20 to
-# 50 times slower); set PROPTEST_CASES or GPUCACHE_STRESS_OPS to override.
+# 50 times slower); set PROPTEST_CASES or GPUCACHE_STRESS_OPS to override. Two tests of safe,
+# compute-heavy code are left to the plain run (`cargo test`): planning the PyTorch logs' steps
+# (`plan::plans_fit_the_real_models_steps`, the planner alone) and replaying the logs under every
+# configuration (`replay_logs`, the allocator paths the other tests take, minutes under valgrind).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -52,7 +55,8 @@ for entry in "${tests[@]}"; do
     # loops without blocking starve the others for minutes.
     if ! (cd "$dir" && valgrind --tool=memcheck --fair-sched=yes --error-exitcode=1 --leak-check=full \
         --show-leak-kinds=definite --errors-for-leak-kinds=definite \
-        "${suppressions[@]}" "$bin" --quiet); then
+        "${suppressions[@]}" "$bin" --quiet \
+        --skip plan::plans_fit_the_real_models_steps --skip replay_logs); then
         failed+=("${name%-*}")
     fi
 done

@@ -136,11 +136,9 @@ enum Op {
     Stats(Name),
 }
 
+/// [`crate::programs::array_type`] over this file's shapes.
 fn array_type() -> impl Strategy<Value = (Dt, &'static [usize])> {
-    prop_oneof![
-        3 => select(COMMON),
-        1 => (select(&Dt::ALL[..]), select(SHAPES)),
-    ]
+    crate::programs::array_type(COMMON, SHAPES)
 }
 
 fn alloc() -> impl Strategy<Value = Op> {

@@ -120,11 +120,9 @@ enum Op {
 /// Types and shapes that most allocations use, so that programs hit often.
 const COMMON: &[(Dt, &[usize])] = &[(Dt::F32, &[4, 4]), (Dt::U8, &[300]), (Dt::I64, &[7])];
 
+/// [`crate::programs::array_type`] over this file's shapes.
 fn array_type() -> impl Strategy<Value = (Dt, &'static [usize])> {
-    prop_oneof![
-        3 => select(COMMON),
-        1 => (select(&Dt::ALL[..]), select(SHAPES)),
-    ]
+    crate::programs::array_type(COMMON, SHAPES)
 }
 
 /// Every operation but `Loop`.

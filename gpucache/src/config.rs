@@ -50,8 +50,9 @@ pub enum KeyPolicy {
     /// * **Later steps** follow the plan: the k-th allocation gets its offset, in O(1) and at the
     ///   same address every step, when it is no larger than the plan's size there and every array
     ///   the plan placed over those bytes has dropped. Anything else (a larger size, more
-    ///   allocations, an array kept alive past its planned end) is served apart, and the plan is
-    ///   remade from that step, with each position's largest size.
+    ///   allocations, an array kept alive past its planned end) leaves the plan: the rest of the
+    ///   step is served from the block's free bytes when it did not grow, else apart, and the
+    ///   plan is remade from that step, with each position's largest size.
     /// * **Arrays that outlive their step** (returned, stored, sent to another thread) are
     ///   served apart, in blocks of their own, which are kept for the next such array for one
     ///   step after they are freed.

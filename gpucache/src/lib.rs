@@ -173,14 +173,16 @@
 //! * **Later steps** follow the plan: position k gets its offset, in O(1) and at the same
 //!   address every step, when the array is no larger than planned there and no array the plan
 //!   placed on those bytes is still alive (checked per allocation: an array kept alive past its
-//!   planned end keeps its bytes). A step with smaller sizes fits the plan. Anything else is
-//!   served apart, the plan's block is given back as soon as no array uses it, and the plan is
-//!   made again at the step's end, with each position's largest size.
+//!   planned end keeps its bytes). A step with smaller sizes fits the plan. A step that leaves
+//!   its plan is planned again at its end, with each position's largest size; until then, if
+//!   it grew (an array larger than planned, or more arrays), the rest of it is served apart and
+//!   the plan's block is given back as soon as no array uses it; if it did not (an array kept
+//!   alive, another order), the rest is served from the block's free bytes while they hold it.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
 //!   step, its block is kept for the next such array through the end of the next step (a cache
 //!   of keys and values that grows a token a step reuses them), then given back.
-//! * The first step and a step that leaves its plan allocate from the device; a step that
+//! * The first step and a step that outgrows its plan allocate from the device; a step that
 //!   follows its plan does not. [`Reuse`] does not apply.
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held

@@ -159,6 +159,59 @@ fn an_array_kept_past_its_planned_end_is_never_overwritten() {
     assert_eq!(backend.allocs(), allocs);
 }
 
+/// A step whose scratch array (64 x 64 f32) dies first, then `a` and `c` (64 x 16 f32 each):
+/// recorded with `a` dropped before `c` is made, all three share the plan's first bytes. With
+/// `keep_a`, `a` stays alive while `c` is made. Returns the addresses of the scratch array, a
+/// and c.
+fn scratch_then_two(name: &str, keep_a: bool) -> [usize; 3] {
+    let _scope = gpucache::enter(name);
+    let scratch = filled(DEV, 1.0f32, [64, 64]);
+    let at_scratch = addr(&scratch);
+    drop(scratch);
+    let a = filled(DEV, 2.0f32, [64, 16]);
+    let at_a = addr(&a);
+    let kept = if keep_a {
+        Some(a)
+    } else {
+        drop(a);
+        None
+    };
+    let c = filled(DEV, 3.0f32, [64, 16]);
+    if let Some(a) = &kept {
+        assert!(common::all_eq(a, 2.0), "a was overwritten");
+    }
+    assert!(common::all_eq(&c, 3.0));
+    [at_scratch, at_a, addr(&c)]
+}
+
+#[test]
+fn a_step_that_leaves_its_plan_without_growing_is_served_from_the_plans_free_bytes() {
+    let _serial = serial();
+    let name = "planned-gaps";
+    let (backend, _installed) = planned(name, None);
+    scratch_then_two(name, false);
+    let planned = scratch_then_two(name, false);
+    assert!(planned[0] == planned[1] && planned[1] == planned[2]);
+    let allocs = backend.allocs();
+    // `a` alive over `c`'s planned bytes: the step leaves its plan, and `c` goes where no array
+    // is, in the plan's block, with no device allocation.
+    let [_, at_a, at_c] = scratch_then_two(name, true);
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "served from the block's free bytes"
+    );
+    let block = planned[0]..planned[0] + 64 * 64 * 4;
+    assert!(block.contains(&at_c) && block.contains(&(at_c + 64 * 16 * 4 - 1)));
+    assert!(at_c >= at_a + 64 * 16 * 4 || at_c + 64 * 16 * 4 <= at_a);
+    // Planned again with `a` and `c` alive together: the same block holds the new plan.
+    for _ in 0..3 {
+        scratch_then_two(name, true);
+    }
+    assert_eq!(backend.allocs(), allocs);
+    assert_eq!(backend.outstanding_bytes(), 64 * 64 * 4);
+}
+
 /// A step that returns an array (it escapes), after a scratch array that dies in the step.
 fn escaping(name: &str, value: u8) -> Array<u8> {
     let _scope = gpucache::enter(name);

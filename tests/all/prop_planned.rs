@@ -489,6 +489,37 @@ fn an_array_that_outlived_only_the_recorded_step_settles_on_a_new_plan() {
     });
 }
 
+/// Found by `a_repeated_step_settles_on_its_plan` (3,000 cases): a step that returns its last
+/// array finds that array's position still taken by the previous step's (alive until after this
+/// step), leaves its plan there, and serves the array from a gap of the plan's block; the array
+/// escapes, and the block, retired under it, cannot serve the next step, which allocates a new
+/// one. An allocation whose position's earlier array is still alive goes apart instead.
+#[test]
+fn a_returned_array_whose_position_is_still_taken_goes_apart() {
+    use Op::*;
+    let _serial = serial();
+    run(|world| {
+        let alloc = Alloc(Dt::F32, vec![4, 4], Init::Zeros);
+        let prelude = Loop {
+            times: 1,
+            scope: Some(Name::A),
+            grow: None,
+            delay: None,
+            keep: None,
+            ops: vec![alloc.clone(), alloc],
+        };
+        let mut ops = Vec::new();
+        unroll(&[prelude], &mut ops);
+        world.run(&ops);
+        let a = StepOp::Alloc(Dt::F32, vec![4, 4], Init::Zeros);
+        let step = [StepOp::Scope(
+            Name::A,
+            vec![a.clone(), StepOp::DropNew(0), a],
+        )];
+        repeat_step(world, Name::A, &step, true);
+    });
+}
+
 /// Runs `step` in a scope of `scope` six times after the prelude left every scope (its live
 /// arrays stay alive), on planned caches with no byte cap; with `returns`, each repetition's
 /// newest array outlives it and drops after the next one. The last three make no device

@@ -10,9 +10,12 @@
 //! what its arrays need at once. At the step's end the record becomes a plan ([`Layout`]): an
 //! offset per position in one block, the arrays that outlived the step left apart. Later steps
 //! follow it: position k gets a view of the plan's block at its offset when
-//! [`Layout::serve`] says it may (no larger than planned, no array alive over those bytes), else
-//! a solo block, and the step is marked *diverged*. A diverged step is planned again at its end,
-//! with each position's largest size. So a fixed-shape loop settles on one plan after its second
+//! [`Layout::serve`] says it may (no larger than planned, no array alive over those bytes).
+//! Else the step is marked *diverged*, and is planned again at its end, with each position's
+//! largest size. Until then, a step that grew (this allocation is larger than its position, or
+//! past the plan's end) gets solo blocks, and the plan's block goes back to the device once no
+//! array uses it; one that did not is served from the block's free ranges ([`Gaps`]) until an
+//! allocation fits none, then gets solo blocks too. So a fixed-shape loop settles on one plan after its second
 //! step, and a loop whose sizes vary settles on one that fits its largest step.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
@@ -35,7 +38,8 @@
 //!
 //! An [`ArenaBlock`] holds one device allocation, in an `Arc` allocation of its own. Arrays get
 //! *views* of it ([`Block::view`]) whose [`Home`] says where they come from (`slot`:
-//! [`VIEW_BASE`] plus the position; `generation`: the number of the step that made them) and
+//! [`VIEW_BASE`] plus the position, or plus [`GAP_BASE`] and the index in the step's record for
+//! a view from a gap; `generation`: the number of the step that made them) and
 //! whose backend is the arena block: it frees nothing when a view drops, and the view holds no
 //! count of its `Arc` (see [`Block::view`]). A plan's block is the cache's until the plan is
 //! remade, invalidated or emptied; then, if arrays of it are alive, it is *retired*: owned by
@@ -72,6 +76,7 @@
 
 pub(super) mod block;
 pub(super) mod device;
+pub(super) mod gaps;
 pub(super) mod layout;
 
 use std::ptr::NonNull;
@@ -84,8 +89,11 @@ use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, size_class_within};
 use crate::trace::record::{self, EventKind, Note};
 use crate::{Device, Result};
-use block::{ArenaBlock, BlockPtr, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned};
+use block::{
+    ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
+};
 use device::{Awaiting, DeviceArena, Plan, Spare};
+use gaps::Gaps;
 use layout::{Layout, NONE, OPEN, Rec, Serve};
 
 /// The most positions a step records; allocations past them are served apart, and the step is
@@ -101,6 +109,7 @@ impl Plan {
             in_use: 0,
             ready: false,
             tainted: false,
+            gaps: None,
             views,
         }
     }
@@ -128,9 +137,23 @@ impl Plan {
         (pos, offset): (u32, usize),
         bytes: usize,
     ) -> Result<Block> {
+        let kept = self.views.get_mut(pos as usize).and_then(Option::take);
+        self.counted_view(st, g, arena, (offset, bytes), kept)
+    }
+
+    /// A view of `bytes` bytes at `offset` of the plan's block `arena` (`kept` if it has that
+    /// size, else a new one), counted (in gauge `g` of `st`) as in use.
+    #[inline(always)]
+    fn counted_view(
+        &mut self,
+        st: &Counters,
+        g: GaugeIx,
+        arena: BlockPtr,
+        (offset, bytes): (usize, usize),
+        kept: Option<Block>,
+    ) -> Result<Block> {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
-        let kept = self.views.get_mut(pos as usize).and_then(Option::take);
         let view = match kept {
             Some(view) if view.bytes() == bytes => view,
             other => {
@@ -139,9 +162,9 @@ impl Plan {
                     unsafe { view.drop_view() };
                 }
                 let owner: *const dyn Backend = arena.as_ptr().cast_const();
-                // SAFETY: `offset + bytes <= footprint <= block bytes` (the layout placed the
-                // position and it fits), `owner` is the `Arc::into_raw` pointer of the block's
-                // `Arc`, whose backend is not counted, and the block stays alive, unmoved and
+                // SAFETY: `offset + bytes <= block bytes` (the layout placed the position and it
+                // fits in the footprint, or the block's gaps held the range), `owner` is the
+                // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and the block stays alive, unmoved and
                 // untouched through `&mut` while views of it live: it is prepared only with no
                 // array's view alive (kept views touch only their own state until dropped, by
                 // the lock holder, before the block goes), and freed only once no view is
@@ -155,6 +178,40 @@ impl Plan {
         self.in_use += size;
         uncached(st, g, size);
         Ok(view)
+    }
+
+    /// Makes the plan's block `arena` ready for the step's stream, once a step: prepared for
+    /// reuse when no array uses it. `Ok(false)`: arrays of an earlier step are alive and the
+    /// stream changed, so the block cannot be handed to the new stream under them.
+    fn make_ready(&mut self, arena: BlockPtr) -> Result<bool> {
+        if self.ready {
+            return Ok(true);
+        }
+        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+        let counts = unsafe { arena.as_ref() };
+        if counts.views() == 0 {
+            // SAFETY: no view is alive, and we hold the lock.
+            let block = unsafe { ArenaBlock::block_mut(arena) };
+            block.prepare_reuse()?;
+        } else if !counts.block.on_current_stream() {
+            return Ok(false);
+        }
+        self.ready = true;
+        Ok(true)
+    }
+
+    /// The step leaves the plan: the block's bytes that no array uses become its gaps, for the
+    /// rest of the step (when the block exists and may be used on the step's stream).
+    fn open_gaps(&mut self) -> Result<()> {
+        let Some(arena) = self.block else {
+            return Ok(());
+        };
+        if self.make_ready(arena)? {
+            // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+            let bytes = unsafe { arena.as_ref() }.block.bytes();
+            self.gaps = Some(Gaps::new(bytes, self.layout.live_ranges()));
+        }
+        Ok(())
     }
 }
 
@@ -194,6 +251,12 @@ fn free_cached(st: &Counters, g: GaugeIx, block: Block) {
 #[inline]
 fn view_slot(pos: u32) -> u32 {
     VIEW_BASE + pos.min(NO_POSITION)
+}
+
+/// The `slot` of the home of an array served from a gap, allocation `rec` of its step.
+#[inline]
+fn gap_slot(rec: u32) -> u32 {
+    VIEW_BASE + GAP_BASE + rec
 }
 
 impl DeviceArena {
@@ -266,6 +329,10 @@ impl DeviceArena {
         let Some(plan) = &mut self.plan else {
             return false;
         };
+        if plan.gaps.is_some() {
+            // The rest of the step is served from it.
+            return false;
+        }
         let in_use = |b: BlockPtr| {
             // SAFETY: a plan's block is the cache's until detached.
             unsafe { b.as_ref() }.views() != 0
@@ -402,13 +469,34 @@ impl CacheState {
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),
-                Serve::Diverged if a.plan.is_some() && !a.diverged => {
-                    a.diverged = true;
-                    self.live += usize::from(a.release_unused_block(st));
+                Serve::Diverged => {
+                    // The array of its position in an earlier step is still alive: this one
+                    // likely outlives its step too, and goes apart (in the block it would keep
+                    // the whole block from the next step).
+                    let again = a.plan.as_ref().is_some_and(|p| p.layout.is_live(pos));
+                    if !a.diverged
+                        && let Some(plan) = &mut a.plan
+                    {
+                        a.diverged = true;
+                        // Larger than planned (or past the plan's end), the step outgrows the
+                        // plan: its block goes back once unused, and the rest of the step is
+                        // served apart, exactly. Else the block's free bytes serve it.
+                        if size <= plan.layout.range(pos).len()
+                            && let Err(e) = plan.open_gaps()
+                        {
+                            return Planned::Failed(e);
+                        }
+                        self.live += usize::from(a.release_unused_block(st));
+                    }
+                    if again {
+                        capacity = size_class_within(size);
+                    } else if let Some(got) = self.gap_view(st, i, req, rec, size) {
+                        return got;
+                    }
                 }
-                Serve::Diverged => {}
             }
         }
+        let a = &mut self.arenas.devices[i];
         let pos = rec.min(NO_POSITION);
         if let Some(block) = a.take_spare(st, size) {
             add(&st.hits, 1);
@@ -444,19 +532,10 @@ impl CacheState {
                 shared: true,
             };
         };
-        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
-        let counts = unsafe { arena.as_ref() };
-        if !plan.ready {
-            if counts.views() == 0 {
-                // SAFETY: no view is alive, and we hold the lock.
-                let block = unsafe { ArenaBlock::block_mut(arena) };
-                if let Err(e) = block.prepare_reuse() {
-                    plan.layout.dropped(pos);
-                    return Planned::Failed(e);
-                }
-            } else if !counts.block.on_current_stream() {
-                // Arrays of an earlier step are alive and the stream changed: the block cannot
-                // be handed to the new stream under them. The step goes apart and re-plans.
+        match plan.make_ready(arena) {
+            Ok(true) => {}
+            Ok(false) => {
+                // The step goes apart and re-plans.
                 plan.layout.dropped(pos);
                 a.diverged = true;
                 a.awaiting = Some(Awaiting::Solo { pos: rec });
@@ -465,7 +544,10 @@ impl CacheState {
                     shared: false,
                 };
             }
-            plan.ready = true;
+            Err(e) => {
+                plan.layout.dropped(pos);
+                return Planned::Failed(e);
+            }
         }
         match plan.view(st, a.gauge, arena, (pos, offset), req.bytes) {
             Ok(view) => Planned::View(view, view_slot(pos), a.step),
@@ -474,6 +556,42 @@ impl CacheState {
                 Planned::Failed(e)
             }
         }
+    }
+
+    /// Allocation `rec` of `size` aligned bytes, in a step that left its plan: a view of a gap
+    /// of device `i`'s plan's block, if one holds it (`None`: there is none, or no gap fits).
+    fn gap_view(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        rec: u32,
+        size: usize,
+    ) -> Option<Planned> {
+        let a = &mut self.arenas.devices[i];
+        let plan = a.plan.as_mut()?;
+        let arena = plan.block?;
+        let Some(offset) = plan.gaps.as_mut()?.take(rec, size) else {
+            // The step outgrows the block: the rest goes apart, and the block back to the
+            // device once no array uses it.
+            plan.gaps = None;
+            self.live += usize::from(a.release_unused_block(st));
+            return None;
+        };
+        Some(
+            match plan.counted_view(st, a.gauge, arena, (offset, req.bytes), None) {
+                Ok(view) => {
+                    add(&st.hits, 1);
+                    Planned::View(view, gap_slot(rec), a.step)
+                }
+                Err(e) => {
+                    if let Some(gaps) = &mut plan.gaps {
+                        gaps.give_back(rec, size);
+                    }
+                    Planned::Failed(e)
+                }
+            },
+        )
     }
 
     /// The hit path of a planned cache: the next position of the plan, when it is the plain
@@ -682,13 +800,27 @@ impl CacheState {
                     let size = aligned(bytes).unwrap_or(bytes);
                     plan.in_use -= size;
                     cached(st, a.gauge, size);
-                    rec = if tainted {
+                    rec = if pos >= GAP_BASE {
+                        // Served from a gap: its range is free again (unless another stream
+                        // may still use it: then it stays taken through the step).
+                        let rec = pos - GAP_BASE;
+                        if tainted {
+                            plan.tainted = true;
+                        } else if let Some(gaps) = &mut plan.gaps {
+                            gaps.give_back(rec, size);
+                        }
+                        rec
+                    } else if tainted {
                         plan.tainted = true;
                         plan.layout.rec_of(pos)
                     } else {
                         // Kept for the position's next array.
                         if let Some(kept) = plan.views.get_mut(pos as usize) {
                             std::mem::swap(kept, &mut view);
+                        }
+                        if let Some(gaps) = &mut plan.gaps {
+                            // Alive when the step left the plan: its bytes join the gaps.
+                            gaps.free(plan.layout.range(pos));
                         }
                         plan.layout.dropped(pos)
                     };

@@ -21,6 +21,12 @@ pub(in crate::cache) const VIEW_BASE: u32 = 1 << 31;
 /// The position of an array past the most a step records.
 pub(in crate::cache) const NO_POSITION: u32 = (1 << 31) - 3;
 
+/// An array served from a gap of its plan's block (a step that left its plan, see the `gaps`
+/// module) has a `slot` of `VIEW_BASE + GAP_BASE` plus the index of its allocation in the step's
+/// record (below the most a step records, `1 << 20`).
+pub(in crate::cache) const GAP_BASE: u32 = 1 << 30;
+const _: () = assert!(GAP_BASE + (1 << 20) < NO_POSITION);
+
 /// The `slot` of a returned block of its own (served apart) whose array dropped on another thread.
 pub(in crate::cache) const RETURNED_SOLO: u32 = u32::MAX;
 

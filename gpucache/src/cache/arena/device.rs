@@ -3,6 +3,7 @@
 //! cache state, which holds one [`Arenas`].
 
 use super::block::BlockPtr;
+use super::gaps::Gaps;
 use super::layout::{Layout, Rec};
 use crate::Device;
 use crate::backend::Block;
@@ -20,6 +21,8 @@ pub(in crate::cache) struct Plan {
     /// A view of the block was used on another stream this step: the block leaves the plan at
     /// the step's end.
     pub(super) tainted: bool,
+    /// The step left the plan: the block's free ranges, for the rest of the step.
+    pub(super) gaps: Option<Gaps>,
     /// Per position, the view its last array dropped, kept for the next array there (a cudarc
     /// view is a `CudaSlice` with events of its own: made once, not every step). Views of the
     /// block, but no array's: not counted as alive.

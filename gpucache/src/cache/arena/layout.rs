@@ -285,6 +285,27 @@ impl Layout {
         s.rec
     }
 
+    /// The bytes of position `k` in the block.
+    pub(super) fn range(&self, k: u32) -> std::ops::Range<usize> {
+        self.spots
+            .get(k as usize)
+            .filter(|s| !s.apart)
+            .map_or(0..0, |s| s.offset..s.offset + s.size)
+    }
+
+    /// The bytes of the positions alive (or whose bytes are still taken).
+    pub(super) fn live_ranges(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        self.spots
+            .iter()
+            .filter(|s| s.live && !s.apart)
+            .map(|s| s.offset..s.offset + s.size)
+    }
+
+    /// Whether the array last served at position `k` is alive (or its bytes still taken).
+    pub(super) fn is_live(&self, k: u32) -> bool {
+        self.spots.get(k as usize).is_some_and(|s| s.live)
+    }
+
     /// Whether position `k` is apart.
     pub(super) fn is_apart(&self, k: u32) -> bool {
         self.spots.get(k as usize).is_some_and(|s| s.apart)

@@ -1,0 +1,122 @@
+//! The rest of a step that left its plan, served inside the plan's block: its free ranges
+//! (*gaps*), sub-allocated best fit and coalesced when arrays drop.
+//!
+//! When a step diverges from its plan (a position larger than planned, more positions than
+//! planned, or bytes still taken), the plan's offsets no longer say where its arrays may go. The
+//! bytes of the block that no array uses do: at the divergence every position alive is taken out
+//! of the block's range, and what is left becomes the gaps ([`range_alloc::RangeAllocator`]).
+//! Each later allocation of the step takes a range from them, and gives it back when its array
+//! drops on the owner thread; so does a position that was alive at the divergence. Only what
+//! does not fit is allocated from the device. The step is planned again at its end, and the gaps
+//! go with the old plan.
+//!
+//! A range is handed out only from the gaps, and the gaps hold only bytes that no array uses:
+//! those free at the divergence, and those of arrays dropped since on the owner thread, not used
+//! on another stream (an array dropped on another thread, or used on another stream, keeps its
+//! bytes until the block leaves the plan). So a live array's bytes are never handed out twice.
+
+use std::ops::Range;
+
+use range_alloc::RangeAllocator;
+
+/// The free ranges of a plan's block in a diverged step, and the ranges taken from them.
+#[derive(Debug)]
+pub(super) struct Gaps {
+    free: RangeAllocator<usize>,
+    /// The ranges handed out, by the index in the step's record of their allocation (in the
+    /// order they were made: sorted).
+    taken: Vec<(u32, usize)>,
+}
+
+impl Gaps {
+    /// The gaps of a block of `bytes` bytes in which the (disjoint or not) ranges `used` are
+    /// taken.
+    pub(super) fn new(bytes: usize, used: impl IntoIterator<Item = Range<usize>>) -> Gaps {
+        let mut used: Vec<Range<usize>> = used.into_iter().filter(|r| r.start < r.end).collect();
+        used.sort_unstable_by_key(|r| r.start);
+        let mut free = RangeAllocator::new(0..bytes.max(1));
+        // Everything taken, then each gap between the used ranges given back.
+        let all = free.allocate_range(bytes.max(1));
+        debug_assert!(all.is_ok());
+        let mut top = 0;
+        for r in used.iter().chain(std::iter::once(&(bytes..bytes))) {
+            let start = r.start.min(bytes);
+            if start > top {
+                free.free_range(top..start);
+            }
+            top = top.max(r.end.min(bytes));
+        }
+        Gaps {
+            free,
+            taken: Vec::new(),
+        }
+    }
+
+    /// The offset of `size` bytes for allocation `rec` of the step (the smallest gap it fits),
+    /// if any.
+    pub(super) fn take(&mut self, rec: u32, size: usize) -> Option<usize> {
+        if size == 0 {
+            return None;
+        }
+        let range = self.free.allocate_range(size).ok()?;
+        debug_assert!(self.taken.last().is_none_or(|&(r, _)| r < rec));
+        self.taken.push((rec, range.start));
+        Some(range.start)
+    }
+
+    /// The array of allocation `rec`, of `size` bytes, dropped: its range is free again.
+    /// Returns whether `rec` had a range.
+    pub(super) fn give_back(&mut self, rec: u32, size: usize) -> bool {
+        let Ok(i) = self.taken.binary_search_by_key(&rec, |&(r, _)| r) else {
+            return false;
+        };
+        let (_, offset) = self.taken.remove(i);
+        self.free.free_range(offset..offset + size);
+        true
+    }
+
+    /// The bytes of a position alive at the divergence, `range`, are free again.
+    pub(super) fn free(&mut self, range: Range<usize>) {
+        if range.start < range.end {
+            self.free.free_range(range);
+        }
+    }
+
+    /// The free bytes (tests).
+    #[cfg(test)]
+    fn available(&self) -> usize {
+        self.free.total_available()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gaps_are_the_bytes_no_range_uses() {
+        let mut g = Gaps::new(1000, [100..200, 150..300, 600..700]);
+        assert_eq!(g.available(), 1000 - 200 - 100);
+        // Best fit: 300..600 is the smallest gap that holds 250 bytes.
+        assert_eq!(g.take(0, 250), Some(300));
+        assert_eq!(g.take(1, 100), Some(0));
+        assert_eq!(g.take(2, 400), None);
+        assert_eq!(g.take(3, 300), Some(700));
+        assert_eq!(g.available(), 50);
+    }
+
+    #[test]
+    fn ranges_given_back_coalesce_with_their_neighbours() {
+        let mut g = Gaps::new(1000, std::iter::once(0..1000));
+        assert_eq!(g.take(0, 10), None);
+        g.free(0..400);
+        g.free(600..1000);
+        assert_eq!(g.take(1, 400), Some(0));
+        assert_eq!(g.take(2, 400), Some(600));
+        assert!(g.give_back(1, 400));
+        assert!(!g.give_back(1, 400), "a range is given back once");
+        g.free(400..600);
+        assert!(g.give_back(2, 400));
+        assert_eq!(g.take(3, 1000), Some(0), "the three ranges are one again");
+    }
+}

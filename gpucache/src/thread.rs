@@ -1,7 +1,8 @@
 //! Thread identity: a number for each thread that is never reused, and the name shown for it.
 //!
-//! The bottom of the crate: it imports nothing of gpucache, so every other module may use it
-//! (the caches name their owner with it, recorded events their thread, the registry its rows).
+//! The bottom of the crate: it imports nothing of gpucache but `sync` (itself a leaf), so every
+//! other module may use it (the caches name their owner with it, recorded events their thread,
+//! the registry its rows).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -9,8 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 /// A number naming a thread, unique for the life of the process (never reused; never 0).
 pub(crate) type ThreadToken = u64;
 
-thread_local! {
-    static TOKEN: Cell<ThreadToken> = const { Cell::new(0) };
+// `sync`'s: under loom, each modelled thread has its own number, as each OS thread does.
+crate::sync::const_thread_local! {
+    static TOKEN: Cell<ThreadToken> = Cell::new(0);
 }
 
 /// This thread's [`ThreadToken`].

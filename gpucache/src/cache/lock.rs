@@ -30,9 +30,9 @@ use parking_lot_core::{DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN, SpinWait};
 use crate::sync::AtomicU8;
 
 /// The lock is held.
-const LOCKED: u8 = 1;
+pub(super) const LOCKED: u8 = 1;
 /// A thread is parked waiting for the lock.
-const PARKED: u8 = 2;
+pub(super) const PARKED: u8 = 2;
 /// A request waits for the holder of the lock.
 pub(super) const REQUESTED: u8 = 4;
 /// Buffers returned by other threads wait in the return queue.
@@ -206,6 +206,12 @@ impl CellLock {
             self.unpark_all();
         }
         true
+    }
+
+    /// The byte, for the loom models' checks once their threads have joined.
+    #[cfg(all(test, loom))]
+    pub(super) fn bits(&self) -> u8 {
+        self.0.load(Relaxed)
     }
 
     #[cfg(not(loom))]

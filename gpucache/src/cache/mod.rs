@@ -45,19 +45,23 @@ pub(crate) mod counters;
 mod events;
 mod key;
 mod lock;
+#[cfg(all(test, loom))]
+pub(crate) mod loom_tests;
 mod remote;
 mod state;
 mod traced;
 
-use std::cell::UnsafeCell;
 use std::mem;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering::*};
+use std::sync::atomic::{AtomicU32, Ordering::*};
 
 use crate::backend::Block;
 use crate::config::CacheConfig;
 use crate::metrics::CacheStats;
+// The flags and the state's cell are `crate::sync`'s: loom's under `cfg(loom)`, for the loom
+// models of `loom_tests` (`depth`, which only the owner touches, stays std's).
+use crate::sync::{AtomicU8, UnsafeCell};
 use crate::thread;
 use crate::trace::record::{self, EventKind};
 use crate::{DType, Device};

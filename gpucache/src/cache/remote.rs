@@ -8,7 +8,8 @@
 use std::mem;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+// `parking_lot`'s mutex, or loom's under `cfg(loom)` (see `crate::sync`).
+use crate::sync::Mutex;
 
 use super::arena::block::{RETURNED_SOLO, is_arena_slot};
 use super::counters::GaugeIx;

@@ -13,12 +13,15 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use hashbrown::{HashMap, HashSet};
-use parking_lot::Mutex;
 use thread_local::ThreadLocal;
 
 use crate::backend;
 use crate::cache::{CacheCell, ConfigSeq};
 use crate::metrics::{CacheStats, DeviceUsage, Snapshot, SnapshotRow};
+// A thread's list of caches and the exited threads' rows are reached by other threads under
+// these mutexes: `parking_lot`'s, or loom's under `cfg(loom)` (see `crate::sync`), for the loom
+// models of a thread's exit (`loom_tests`).
+use crate::sync::Mutex;
 use crate::trace::record;
 use crate::{CacheConfig, Device, DeviceStats, Result};
 
@@ -26,6 +29,13 @@ use crate::{CacheConfig, Device, DeviceStats, Result};
 #[derive(Default)]
 struct ThreadEntry {
     cells: Mutex<Vec<Arc<CacheCell>>>,
+}
+
+impl ThreadEntry {
+    /// The thread's caches, as another thread finds them (copied under the lock).
+    fn listed(&self) -> Vec<Arc<CacheCell>> {
+        self.cells.lock().clone()
+    }
 }
 
 /// Each thread's entry. The thread keeps its own `Arc` (in [`Local`]) rather than the reference
@@ -42,7 +52,7 @@ struct Configs {
     seq: ConfigSeq,
 }
 
-static CONFIGS: Mutex<Configs> = parking_lot::const_mutex(Configs {
+static CONFIGS: parking_lot::Mutex<Configs> = parking_lot::const_mutex(Configs {
     by_name: Vec::new(),
     seq: 0,
 });
@@ -112,7 +122,14 @@ struct Exited {
 /// How many caches of exited threads [`snapshot`] keeps one by one.
 const EXITED_ROWS: usize = 256;
 
+#[cfg(not(loom))]
 static EXITED: Mutex<Option<Exited>> = parking_lot::const_mutex(None);
+
+// Under loom, made anew in each execution of a model (loom's mutex is not `const`).
+#[cfg(loom)]
+loom::lazy_static! {
+    static ref EXITED: Mutex<Option<Exited>> = Mutex::new(None);
+}
 
 impl Exited {
     /// The shared copy of `name`.
@@ -217,14 +234,24 @@ impl Drop for Local {
     /// and arrays still alive elsewhere free their buffers when they drop, and keep their final
     /// counters for [`snapshot`].
     fn drop(&mut self) {
-        self.entry.cells.lock().clear();
-        for (_, cell) in self.caches.get_mut().drain() {
-            cell.close();
-            EXITED
-                .lock()
-                .get_or_insert_with(Exited::default)
-                .record(cell);
-        }
+        exit_thread(
+            &self.entry,
+            self.caches.get_mut().drain().map(|(_, cell)| cell),
+        );
+    }
+}
+
+/// What a thread's exit does (run by its [`Local`]'s destructor, and by the loom models):
+/// unlists its caches, so that other threads no longer find them, then closes each of `cells`
+/// and keeps it as an exited row.
+fn exit_thread(entry: &ThreadEntry, cells: impl Iterator<Item = Arc<CacheCell>>) {
+    entry.cells.lock().clear();
+    for cell in cells {
+        cell.close();
+        EXITED
+            .lock()
+            .get_or_insert_with(Exited::default)
+            .record(cell);
     }
 }
 
@@ -278,15 +305,22 @@ fn find(name: &str) -> Option<Arc<CacheCell>> {
 
 /// Every live thread's caches.
 fn all_cells() -> Vec<Arc<CacheCell>> {
-    THREADS
-        .iter()
-        .flat_map(|entry| entry.cells.lock().clone())
-        .collect()
+    THREADS.iter().flat_map(|entry| entry.listed()).collect()
 }
 
 /// Runs `own` on the calling thread's cache `name` and `other` on every other thread's.
 fn for_name(name: &str, own: impl Fn(&CacheCell), other: impl Fn(&CacheCell)) {
-    for cell in all_cells().iter().filter(|c| c.name() == name) {
+    for_name_in(all_cells(), name, own, other);
+}
+
+/// [`for_name`] over `cells`.
+fn for_name_in(
+    cells: Vec<Arc<CacheCell>>,
+    name: &str,
+    own: impl Fn(&CacheCell),
+    other: impl Fn(&CacheCell),
+) {
+    for cell in cells.iter().filter(|c| c.name() == name) {
         if cell.is_owned_here() {
             own(cell);
         } else {
@@ -316,7 +350,12 @@ fn for_name(name: &str, own: impl Fn(&CacheCell), other: impl Fn(&CacheCell)) {
 /// # Ok::<(), gpucache::Error>(())
 /// ```
 pub fn invalidate(name: &str) {
-    for_name(name, CacheCell::invalidate, |cell| {
+    invalidate_in(all_cells(), name);
+}
+
+/// [`invalidate`] over `cells`.
+fn invalidate_in(cells: Vec<Arc<CacheCell>>, name: &str) {
+    for_name_in(cells, name, CacheCell::invalidate, |cell| {
         cell.free_returned(None);
         cell.request(|r| r.invalidate += 1);
     });
@@ -477,7 +516,12 @@ pub fn device_stats(device: Device) -> Result<DeviceStats> {
 /// thread's caches and idle ones, at the scope's exit for a cache active on another thread;
 /// with `pending`, also what this thread's active scopes hold for their exit.
 pub(crate) fn give_back_unowned(device: Option<Device>, pending: bool) {
-    for cell in all_cells() {
+    give_back_in(all_cells(), device, pending);
+}
+
+/// [`give_back_unowned`] over `cells`.
+fn give_back_in(cells: Vec<Arc<CacheCell>>, device: Option<Device>, pending: bool) {
+    for cell in cells {
         cell.free_returned(device);
         if cell.is_owned_here() {
             cell.give_back_owned(device, pending);
@@ -517,6 +561,9 @@ pub(crate) fn set_traced(on: bool) {
         }
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_tests;
 
 #[cfg(test)]
 mod tests {

@@ -364,7 +364,19 @@ impl CacheCell {
         if !self.lock.take(REQUESTED) {
             return;
         }
-        let requests = mem::take(&mut self.remote.state.lock().requests);
+        let requests = {
+            let mut remote = self.remote.state.lock();
+            let requests = mem::take(&mut remote.requests);
+            if remote.closed {
+                // The owner has exited: the cache holds nothing to serve them on, and its exited
+                // row may have read its final counters already (`registry::exit_thread`), which
+                // a request served now would change behind it. A call that reaches a closed
+                // cache is one that reached no cache (found by the loom model
+                // `loom_exit_while_invalidated`).
+                return;
+            }
+            requests
+        };
         self.drain_returned(state, false);
         if let Some((seq, config)) = requests.config {
             self.configure_locked(state, seq, config);

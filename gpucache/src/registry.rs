@@ -336,7 +336,8 @@ fn for_name_in(
 /// is not inside a scope of it, else when that scope exits (buffers other threads returned to it
 /// are freed at once either way). Arrays still alive stay valid; their buffers are freed, not
 /// cached, when they drop. Buffers of arrays dropped inside a scope of the cache that is still
-/// active are freed too. Unknown names are ignored.
+/// active are freed too. Unknown names are ignored, and so is the cache of a thread that exits
+/// while the call runs, if the call reaches it after the exit (it holds nothing any more).
 ///
 /// ```
 /// use gpucache::{Array, Device};

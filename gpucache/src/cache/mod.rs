@@ -38,6 +38,9 @@
 //! are still alive elsewhere (`live > 0`) the cell keeps an `Arc` to itself, which the last of
 //! those arrays to drop releases (a biased reference count: the owner counts without atomics,
 //! other threads count under the `remote` mutex once the cell is closed).
+//!
+//! Requests that reach a closed cell are dropped unserved (see [`CacheCell::serve_requests`]):
+//! the exited thread's row in the registry may already hold the cell's final counters.
 
 mod arena;
 pub(crate) mod counters;

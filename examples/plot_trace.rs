@@ -6,8 +6,7 @@
 //! cargo run --release --example plot_trace -- trace.json memory.svg
 //! ```
 
-#[path = "trace_plot/mod.rs"]
-mod trace_plot;
+use gpucache_suite::trace_plot;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

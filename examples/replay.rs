@@ -1,8 +1,9 @@
-//! Replays allocation logs (examples/replay: a CSV, maybe gzip-compressed, made from a recorded
-//! trace or by `examples/replay/record_torch.py` from a PyTorch model) through every gpucache
-//! configuration of `replay::CONFIGS`, in the recorded scopes, and, on CUDA, through the device's
-//! stream-ordered memory pool (cuMemAllocAsync / cuMemFreeAsync) with its release threshold at 0
-//! (cudarc's default) and at `u64::MAX`; on the CPU through the bare host allocator instead.
+//! Replays allocation logs (`gpucache_suite::replay`: a CSV, maybe gzip-compressed, made from a
+//! recorded trace or by `examples/replay/record_torch.py` from a PyTorch model) through every
+//! gpucache configuration of `replay::CONFIGS`, in the recorded scopes, and, on CUDA, through the
+//! device's stream-ordered memory pool (cuMemAllocAsync / cuMemFreeAsync) with its release
+//! threshold at 0 (cudarc's default) and at `u64::MAX`; on the CPU through the bare host
+//! allocator instead.
 //!
 //! ```text
 //! cargo run --release --example replay -- tests/fixtures/gpt2_train.csv.gz cpu 7
@@ -25,8 +26,7 @@
 //! before, and the pool trimmed. The memory figures are the first round's (the same every round
 //! but the pool's), the pool's peak the highest of the rounds.
 
-#[path = "replay/mod.rs"]
-mod replay;
+use gpucache_suite::replay;
 
 use replay::plan;
 

@@ -41,8 +41,7 @@
 //! buffer waits for and records its events. `--no-event-tracking` turns it off before any
 //! buffer is allocated (cudarc's `disable_event_tracking`; one stream, so nothing needs it).
 
-#[path = "mlp/mod.rs"]
-mod mlp;
+use gpucache_suite::mlp;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -12,8 +12,7 @@
 //! step allocates from the device only in the first step of each epoch (`invalidate` gives the
 //! memory back between epochs) and recycles its buffers in every other step.
 
-#[path = "trace_plot/mod.rs"]
-mod trace_plot;
+use gpucache_suite::trace_plot;
 
 use std::alloc::System;
 use std::error::Error;

@@ -1,5 +1,5 @@
-//! Trains a two-layer MLP (examples/mlp) on a CUDA GPU with cuBLAS sgemm and NVRTC kernels, one
-//! gpucache scope per step, and compares the step time with cudarc's default allocation.
+//! Trains a two-layer MLP (`gpucache_suite::mlp`) on a CUDA GPU with cuBLAS sgemm and NVRTC
+//! kernels, one gpucache scope per step, and compares the step time with cudarc's default allocation.
 //!
 //! ```text
 //! cargo run --release --features cuda --example train_cuda [EPOCHS] [STEPS_PER_EPOCH] [--log LOG.csv]
@@ -17,10 +17,8 @@
 //! cost); step times are host wall-clock time from the step's start to that synchronisation.
 //! Device memory in use is read with cuMemGetInfo after synchronising.
 
-#[path = "mlp/mod.rs"]
-mod mlp;
-#[path = "replay/mod.rs"]
-mod replay;
+use gpucache_suite::mlp;
+use gpucache_suite::replay;
 
 use std::sync::Arc;
 use std::time::Instant;

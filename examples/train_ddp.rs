@@ -1,5 +1,5 @@
-//! Trains the MLP of `train_cuda` (examples/mlp) data-parallel over several GPUs with NCCL, each
-//! step in a `#[cache_scope]` on its GPU, gradients all-reduced on cached arrays.
+//! Trains the MLP of `train_cuda` (`gpucache_suite::mlp`) data-parallel over several GPUs with
+//! NCCL, each step in a `#[cache_scope]` on its GPU, gradients all-reduced on cached arrays.
 //!
 //! ```text
 //! cargo run --release --features nccl --example train_ddp [threads|processes] [ROUNDS] [STEPS] [GPUS]
@@ -30,8 +30,7 @@
 //! cached run, the median step times with their per-round ratios, and the throughput of all
 //! GPUs against one.
 
-#[path = "mlp/mod.rs"]
-mod mlp;
+use gpucache_suite::mlp;
 
 use std::process::Command;
 use std::time::Instant;

@@ -6,7 +6,7 @@
 //! set; the others always run. Under `GPUCACHE_DISABLE=1` (caching off) the checks of hit counts
 //! are left out.
 
-mod common;
+use gpucache_suite::common;
 
 use std::error::Error as StdError;
 use std::sync::mpsc;

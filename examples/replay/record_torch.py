@@ -3,7 +3,7 @@
 
 Runs the model on a GPU with ``torch.cuda.memory._record_memory_history``, marks the steps,
 takes ``torch.cuda.memory._snapshot()`` and writes the log in the CSV format documented at the
-top of ``examples/replay/mod.rs``::
+top of ``src/replay/mod.rs``::
 
     op,cache,buffer,bytes,elem,dims
     enter,train_step,,,,

@@ -2,8 +2,8 @@
 //! re-runs [`child_process`] in a child process of this binary with it set, and shows the
 //! child's output only when it fails.
 
-use crate::common;
 use gpucache::{Array, Device, enter, stats};
+use gpucache_suite::common;
 
 const CHILD: &str = "disable::child_process";
 
@@ -11,7 +11,7 @@ const CHILD: &str = "disable::child_process";
 /// returns the child's standard error.
 fn child(value: &str, disabled: bool) -> String {
     let expect = if disabled { "off" } else { "on" };
-    crate::common::run_child(
+    gpucache_suite::common::run_child(
         CHILD,
         &[
             ("GPUCACHE_DISABLE", value),

@@ -4,7 +4,7 @@
 //! Tests that act on every thread's caches (out-of-memory recovery, `empty_cache`) take the
 //! `serial()` lock, so that they cannot release each other's buffers mid-test.
 
-use crate::common;
+use gpucache_suite::common;
 
 use std::sync::{Arc, mpsc};
 use std::thread;

@@ -7,7 +7,7 @@
 //! Out-of-memory recovery releases every thread's caches, so the tests of this binary run one
 //! at a time (`serial()`).
 
-use crate::common;
+use gpucache_suite::common;
 
 use std::sync::Arc;
 use std::thread;

@@ -14,9 +14,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::{self, ThreadId};
 
-use crate::common;
 use gpucache::cache_scope;
 use gpucache::prelude::*;
+use gpucache_suite::common;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers

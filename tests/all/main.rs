@@ -14,7 +14,7 @@
 //! * `disable`: `GPUCACHE_DISABLE` (in child processes of this binary, their output captured);
 //! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
 //! * `trace`: recording, the Chrome trace-event JSON, `GPUCACHE_TRACE` (child processes), the
-//!   allocation log of `examples/replay` and the replay of its fixture;
+//!   allocation log of `gpucache_suite::replay` and the replay of its fixture;
 //! * `replay_logs`: the PyTorch models' allocation logs (`tests/fixtures/*.csv.gz`) replay at or
 //!   above their peak live bytes, and planned caches within 1.10x (1.5x on decoding);
 //! * `plan`: the step planner (`gpucache::planner`; property tests, small plans worked out by
@@ -25,11 +25,9 @@
 //! `macros_lint` (crate-level lint attributes) and `ui` (trybuild) stay binaries of their own.
 //!
 //! Tests that act on every thread's caches (`empty_cache`, out-of-memory recovery, whole-process
-//! readings) hold `common::serial()`; every other test that checks what a cache holds holds
-//! `common::shared()` (taken by the `common::device_tests!` wrappers), so the two never overlap.
-
-#[path = "../common/mod.rs"]
-mod common;
+//! readings) hold `common::serial()` (`gpucache_suite::common`); every other test that checks
+//! what a cache holds holds `common::shared()` (taken by the `common::device_tests!` wrappers),
+//! so the two never overlap.
 
 mod disable;
 mod failures;
@@ -40,8 +38,6 @@ mod planned;
 mod programs;
 mod prop_planned;
 mod prop_programs;
-#[path = "../../examples/replay/mod.rs"]
-mod replay;
 mod replay_logs;
 mod semantics;
 mod stress;

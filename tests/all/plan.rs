@@ -1,4 +1,4 @@
-//! The step planner of `examples/replay/plan.rs` (greedy by size, best fit): arrays alive at
+//! The step planner of `gpucache_suite::replay::plan` (greedy by size, best fit): arrays alive at
 //! the same time never share bytes, a plan takes at least the step's peak live bytes and at most
 //! the sum of its arrays, small plans equal the ones worked out by hand, and on the PyTorch
 //! models' logs plans fit fixed-shape steps within 1.10x of their peak live bytes and decoding
@@ -6,8 +6,8 @@
 
 use proptest::prelude::*;
 
-use crate::replay::plan::simulate;
 use gpucache::planner::{Lifetime, greedy_by_size, peak_live};
+use gpucache_suite::replay::plan::simulate;
 
 fn life(bytes: usize, start: u32, end: u32) -> Lifetime {
     Lifetime { bytes, start, end }
@@ -114,8 +114,8 @@ fn plans_fit_the_real_models_steps() {
         ("gpt2_decode", 1.5),
     ] {
         let path = format!("{}/tests/fixtures/{log}.csv.gz", env!("CARGO_MANIFEST_DIR"));
-        let ops = crate::replay::read(path.as_ref()).unwrap();
-        let live = crate::replay::peak_live(&ops);
+        let ops = gpucache_suite::replay::read(path.as_ref()).unwrap();
+        let live = gpucache_suite::replay::peak_live(&ops);
         let sim = simulate(&ops);
         let ratio = sim.peak as f64 / live as f64;
         assert!(

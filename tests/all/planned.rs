@@ -8,7 +8,7 @@
 //! Each test counts device allocations with its own `CountingBackend`, so tests that act on
 //! every thread's caches (`empty_cache`, out-of-memory recovery) run one at a time (`serial()`).
 
-use crate::common;
+use gpucache_suite::common;
 
 use std::sync::Arc;
 use std::thread;

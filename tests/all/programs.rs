@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use proptest::sample::select;
 
-use crate::common::pattern::Dt;
+use gpucache_suite::common::pattern::Dt;
 
 /// A cache name of a program (each test prefixes it, `prop/A`, `planned/A`, ...; each program
 /// runs on a fresh thread).

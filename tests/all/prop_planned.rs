@@ -35,7 +35,6 @@
 //! sets the number of programs of each test (default [`DEFAULT_CASES`]). Failures are not
 //! persisted: a failing program is printed shrunk, one operation a line, with its seed.
 
-use crate::common;
 use crate::programs::{NAMES, Name, name};
 
 use std::fmt;
@@ -47,6 +46,7 @@ use common::pattern::{AnyArray, Dt, Init, first_overlap};
 use common::serial;
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::{CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
+use gpucache_suite::common;
 use proptest::prelude::*;
 use proptest::sample::select;
 

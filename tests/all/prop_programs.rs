@@ -34,7 +34,6 @@
 //! (`serial()`). `PROPTEST_CASES` sets the number of programs (default [`DEFAULT_CASES`]), shared
 //! out among [`PARTS`] tests so that none runs for long.
 
-use crate::common;
 use crate::programs::{NAMES, Name, name};
 
 use std::collections::VecDeque;
@@ -47,6 +46,7 @@ use common::pattern::{AnyArray, Dt, Init, first_overlap};
 use common::{configure, serial};
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::{Array, CacheConfig, CacheStats, Device, KeyPolicy, Reuse, ScopeGuard};
+use gpucache_suite::common;
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::FileFailurePersistence;

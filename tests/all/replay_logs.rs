@@ -1,6 +1,6 @@
 //! The PyTorch allocation logs (`tests/fixtures/*.csv.gz`, written on a GPU by
 //! `examples/replay/record_torch.py`): each parses, has live bytes, and replays on the CPU under
-//! every configuration of `examples/replay`'s table and bare, each peaking at or above the log's
+//! every configuration of `replay::CONFIGS` and bare, each peaking at or above the log's
 //! peak live bytes (the lower bound of any allocator), with the same figures every time; planned
 //! caches hold at most 1.10x the peak live bytes on the training and varying-length logs and
 //! 1.5x on decoding, with no device allocation after the second step on the training logs; and a
@@ -8,8 +8,8 @@
 
 use gpucache::{CacheConfig, Device, KeyPolicy};
 
-use crate::common::serial;
-use crate::replay::{self, CONFIGS, Mode, Op};
+use gpucache_suite::common::serial;
+use gpucache_suite::replay::{self, CONFIGS, Mode, Op};
 
 const LOGS: &[&str] = &["gpt2_train", "resnet50_train", "bert_infer", "gpt2_decode"];
 

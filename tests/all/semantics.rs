@@ -4,7 +4,7 @@
 //! tests hold `common::serial()`, and every test here holds `common::shared()` (through
 //! `common::device_tests!`), so that they cannot disturb these.
 
-use crate::common;
+use gpucache_suite::common;
 
 use std::thread;
 

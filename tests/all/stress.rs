@@ -12,7 +12,7 @@
 //! `GPUCACHE_STRESS_OPS` sets the operations per thread (default [`DEFAULT_OPS`]; the closing
 //! note of the reliability issue reports a run of 1,000,000 in release).
 
-use crate::common;
+use gpucache_suite::common;
 
 use std::sync::Barrier;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};

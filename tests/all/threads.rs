@@ -4,7 +4,7 @@
 //! Threads hand over with channels and barriers, never sleeps. Every test here acts on caches of
 //! other threads (or reads every thread's), so they run one at a time (`serial()`).
 
-use crate::common;
+use gpucache_suite::common;
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier};

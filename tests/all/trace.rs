@@ -12,8 +12,8 @@ use gpucache::trace::{self, Event, EventKind, Trace, TraceKey};
 use gpucache::{Array, CacheConfig, DType, Device, Error, Reuse, enter, stats};
 use serde_json::Value;
 
-use crate::common::{self, configure, serial};
-use crate::replay::{self, Mode, Op};
+use gpucache_suite::common::{self, configure, serial};
+use gpucache_suite::replay::{self, Mode, Op};
 
 /// The events of cache `name`.
 fn of<'a>(t: &'a Trace, name: &str) -> Vec<&'a Event> {
@@ -385,7 +385,7 @@ const CHILD: &str = "trace::child_process";
 fn child(env: &[(&str, &str)]) -> String {
     let mut env = env.to_vec();
     env.push(("GPUCACHE_TRACE_CHILD", "1"));
-    crate::common::run_child(CHILD, &env, "the child")
+    gpucache_suite::common::run_child(CHILD, &env, "the child")
 }
 
 /// What the child processes run (listed as ignored in a normal run).

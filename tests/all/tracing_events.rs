@@ -11,7 +11,7 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
 
-use crate::common::{configure, serial};
+use gpucache_suite::common::{configure, serial};
 
 /// (level, message, `cache` field) of every event.
 type Seen = Arc<Mutex<Vec<(Level, String, String)>>>;

@@ -15,7 +15,7 @@ use gpucache::cuda::cudarc::driver::{
 use gpucache::cuda::cudarc::nvrtc::compile_ptx;
 use gpucache::{Array, CacheConfig, Device, Error, enter, stats};
 
-use crate::common::TestResult;
+use gpucache_suite::common::{self, TestResult};
 
 /// Whether caching is on (`GPUCACHE_DISABLE=1` turns it off).
 fn caching() -> bool {
@@ -137,7 +137,7 @@ fn cpu_arrays_are_refused_by_cuda_methods() {
 }
 
 fn kernels_write_cached_arrays_and_values_round_trip(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-roundtrip");
+    common::free_lists("cuda-roundtrip");
     let stream = current(dev);
     let n = 10_000;
     let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
@@ -168,7 +168,7 @@ fn kernels_write_cached_arrays_and_values_round_trip(dev: Device) -> TestResult 
 }
 
 fn zeros_zeroes_a_recycled_buffer_on_the_gpu(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-zeros");
+    common::free_lists("cuda-zeros");
     let stream = current(dev);
     let n = 1 << 20;
     let first = {
@@ -202,7 +202,7 @@ fn zeros_zeroes_a_recycled_buffer_on_the_gpu(dev: Device) -> TestResult {
 }
 
 fn an_escaped_array_is_not_overwritten_by_later_steps(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-escape");
+    common::free_lists("cuda-escape");
     let stream = current(dev);
     let n = 4096;
     let step = |v: f32| -> Result<Array<f32>, Box<dyn StdError>> {
@@ -233,7 +233,7 @@ fn an_escaped_array_is_not_overwritten_by_later_steps(dev: Device) -> TestResult
 }
 
 fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-xstream");
+    common::free_lists("cuda-xstream");
     let main = current(dev); // A: the thread's current (default) stream
     let n = 1 << 16;
     let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
@@ -299,7 +299,7 @@ fn cross_stream_reuse_waits_for_the_marked_stream(dev: Device) -> TestResult {
 
 /// Recorded events of CUDA arrays name the device and the stream (`gpucache::trace`).
 fn trace_events_carry_the_stream(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-trace");
+    common::free_lists("cuda-trace");
     use gpucache::trace::EventKind;
     if !caching() {
         return Ok(()); // nothing is cached, so nothing of the cache is recorded
@@ -413,7 +413,7 @@ impl HeldCopy {
 }
 
 fn a_buffer_recycled_on_another_stream_moves_to_it(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-restream");
+    common::free_lists("cuda-restream");
     let ctx = gpucache::cuda::context(dev)?;
     let (s1, s2) = (ctx.new_stream()?, ctx.new_stream()?);
     let n = 1 << 18;
@@ -436,7 +436,7 @@ fn a_buffer_recycled_on_another_stream_moves_to_it(dev: Device) -> TestResult {
 }
 
 fn out_of_memory_releases_the_cache_and_reports_a_typed_error(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-oom");
+    common::free_lists("cuda-oom");
     let (_, total) = gpucache::cuda::mem_get_info(dev)?;
     let cached = 1usize << 30;
     {
@@ -471,7 +471,7 @@ fn out_of_memory_releases_the_cache_and_reports_a_typed_error(dev: Device) -> Te
 }
 
 fn releasing_the_cache_lets_a_tight_allocation_succeed(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-oom-retry");
+    common::free_lists("cuda-oom-retry");
     if !caching() {
         return Ok(()); // nothing is cached to release
     }
@@ -492,7 +492,7 @@ fn releasing_the_cache_lets_a_tight_allocation_succeed(dev: Device) -> TestResul
 }
 
 fn out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-oom-returned");
+    common::free_lists("cuda-oom-returned");
     if !caching() {
         return Ok(()); // nothing goes through a cache
     }
@@ -564,7 +564,7 @@ fn zero_size_arrays_and_stream_marks(dev: Device) -> TestResult {
 }
 
 fn immediate_reuse_is_stream_ordered(dev: Device) -> TestResult {
-    crate::common::free_lists("cuda-immediate");
+    common::free_lists("cuda-immediate");
     let stream = current(dev);
     gpucache::configure(
         "cuda-immediate",

@@ -17,9 +17,9 @@ use gpucache::cuda::cudarc::nvrtc::compile_ptx;
 use gpucache::cuda::{Ran, StepGraph, StreamGuard};
 use gpucache::{Array, CacheConfig, Device, Error, Reuse, stats};
 
-use crate::common::TestResult;
 use crate::gpu::GpuTest;
-use crate::mlp::{Cached, Dims, Gpu, Mlp};
+use gpucache_suite::common::{self, TestResult};
+use gpucache_suite::mlp::{Cached, Dims, Gpu, Mlp};
 
 /// The tests that need a GPU.
 pub const TESTS: &[(&str, GpuTest)] = &[
@@ -129,7 +129,7 @@ fn a_planned_step_is_captured_and_computes_what_eager_steps_compute(dev: Device)
 /// keys) against the same steps run eagerly.
 fn mlp_steps(dev: Device, name: &str, planned: bool) -> TestResult {
     if !planned {
-        crate::common::free_lists(name);
+        common::free_lists(name);
     }
     let (_stream, _on) = on_new_stream(dev)?;
     let dims = Dims {
@@ -210,7 +210,7 @@ fn a_shape_change_during_capture_is_a_typed_error_and_runs_nothing(dev: Device) 
     let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let mut out = Array::<f32>::zeros(dev, 256)?;
-    crate::common::free_lists("graph-shape");
+    common::free_lists("graph-shape");
     let mut graph = StepGraph::new("graph-shape", dev);
     for _ in 0..2 {
         let ran = graph.run(|| add_one(dev, &stream, &k, &mut out, 256))?;
@@ -248,7 +248,7 @@ fn a_graph_holds_its_buffers_until_dropped(dev: Device) -> TestResult {
     let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let mut out = Array::<f32>::zeros(dev, 1024)?;
-    crate::common::free_lists("graph-held");
+    common::free_lists("graph-held");
     let mut graph = StepGraph::new("graph-held", dev);
     for _ in 0..3 {
         graph.run(|| add_one(dev, &stream, &k, &mut out, 1024))?;
@@ -279,7 +279,7 @@ fn invalidate_configure_and_a_dropped_input_make_it_capture_again(dev: Device) -
     let (stream, _on) = on_new_stream(dev)?;
     let k = kernels(&stream)?;
     let mut out = Array::<f32>::zeros(dev, 256)?;
-    crate::common::free_lists("graph-again");
+    common::free_lists("graph-again");
     let mut graph = StepGraph::new("graph-again", dev);
     let mut run = |out: &mut Array<f32>| graph.run(|| add_one(dev, &stream, &k, out, 256));
     use Ran::*;
@@ -327,7 +327,7 @@ fn immediate_reuse_inside_a_step_is_captured(dev: Device) -> TestResult {
     };
     gpucache::configure("graph-immediate", immediate);
     let mut out = Array::<f32>::zeros(dev, 256)?;
-    crate::common::free_lists("graph-immediate");
+    common::free_lists("graph-immediate");
     let mut graph = StepGraph::new("graph-immediate", dev);
     for _ in 0..4 {
         // Two scratch arrays of one key, one after the other: eagerly the second could reuse
@@ -352,7 +352,7 @@ fn other_streams_and_host_copies_are_typed_errors(dev: Device) -> TestResult {
         Array::<f32>::zeros(dev, 256)?,
         Array::<f32>::zeros(dev, 256)?,
     );
-    crate::common::free_lists("graph-errors");
+    common::free_lists("graph-errors");
     let mut graph = StepGraph::new("graph-errors", dev);
     {
         let _warm = gpucache::enter("graph-errors");
@@ -414,7 +414,7 @@ fn other_streams_and_host_copies_are_typed_errors(dev: Device) -> TestResult {
 
     // The default stream cannot be captured.
     drop(on);
-    crate::common::free_lists("graph-errors");
+    common::free_lists("graph-errors");
     let mut graph = StepGraph::new("graph-errors", dev);
     let err = graph
         .run(|| add_one(dev, &stream, &k, &mut out, 256))

@@ -13,11 +13,13 @@
 //! ignored. The tests share one GPU and the out-of-memory tests need all of it, so they run one
 //! at a time.
 
-#[path = "../common/mod.rs"]
-mod common;
+use gpucache_suite::common;
 
-// The device tests of the CPU binary, reused here; their CPU-only `#[test]`s are not compiled
-// into this harness, which leaves some of their imports unused.
+// The device tests of `tests/all` (`common::device_tests!`), compiled into this harness too. They
+// are test cases, not library code: each file also holds CPU-only `#[test]`s, and a `#[test]` of
+// the library would run only in the library's own unit-test binary, so the two test binaries
+// share the files by inclusion. This harness has no libtest (`harness = false`), so the CPU-only
+// `#[test]`s are not compiled here, which leaves their helpers and some imports unused.
 #[allow(unused_imports, dead_code)]
 #[path = "../all/failures.rs"]
 mod failures;
@@ -27,8 +29,6 @@ mod semantics;
 
 mod gpu;
 mod graph;
-#[path = "../../examples/mlp/mod.rs"]
-mod mlp;
 
 use libtest_mimic::Arguments;
 

@@ -1,5 +1,5 @@
-//! Helpers shared by the integration tests.
-#![allow(dead_code)] // each test binary uses a different subset
+//! Helpers shared by the integration tests (`tests/all`, and the GPU harnesses `tests/cuda` and
+//! `tests/multi_gpu`).
 
 pub mod pattern;
 
@@ -15,14 +15,17 @@ use gpucache::{Array, CacheConfig, Device, Element, Shape, enter};
 /// * a `#[test]` `on_cpu::name` that runs it on `Device::Cpu` (holding [`shared`]);
 /// * an entry of the module's `DEVICE_TESTS`, which the GPU harness (`tests/cuda`) runs on the
 ///   GPU, where it shows as ignored when there is no GPU.
-#[allow(unused_macros)] // not every test binary declares device tests
-macro_rules! device_tests {
+///
+/// A test binary reaches it as `common::device_tests!` after `use gpucache_suite::common;`.
+#[macro_export]
+#[doc(hidden)] // documented at its re-export, `common::device_tests!`
+macro_rules! __device_tests {
     ($($(#[doc = $doc:literal])* fn $name:ident($dev:ident, $cache:ident) $body:block)*) => {
         $(
             $(#[doc = $doc])*
             pub fn $name($dev: gpucache::Device, $cache: &str) {
                 // The rules of free lists (a test of another policy configures it itself).
-                crate::common::free_lists($cache);
+                $crate::common::free_lists($cache);
                 $body
             }
         )*
@@ -36,14 +39,15 @@ macro_rules! device_tests {
             $(
                 #[test]
                 fn $name() {
-                    crate::common::on_device(gpucache::Device::Cpu, stringify!($name), super::$name);
+                    let cpu = gpucache::Device::Cpu;
+                    $crate::common::on_device(cpu, stringify!($name), super::$name);
                 }
             )*
         }
     };
 }
-#[allow(unused_imports)]
-pub(crate) use device_tests;
+#[doc(inline)]
+pub use crate::__device_tests as device_tests;
 
 /// Runs a test of [`device_tests!`] on `dev`, holding [`shared`].
 pub fn on_device(dev: Device, test: &str, f: fn(Device, &str)) {
@@ -52,7 +56,6 @@ pub fn on_device(dev: Device, test: &str, f: fn(Device, &str)) {
 }
 
 /// A fresh counting backend, installed for `Device::Cpu` on this thread until the guard drops.
-#[allow(dead_code)] // not every test binary counts
 pub fn counting() -> (
     std::sync::Arc<gpucache::testing::CountingBackend>,
     gpucache::testing::BackendGuard,
@@ -82,7 +85,6 @@ pub fn gpu() -> Result<Device, String> {
 }
 
 /// A libtest-mimic trial that runs `test` on the GPU, or is listed as ignored without one.
-#[allow(dead_code)] // only the GPU harnesses use it
 pub fn gpu_trial(
     name: String,
     gpu: &Result<Device, String>,
@@ -95,7 +97,6 @@ pub fn gpu_trial(
 }
 
 /// A libtest-mimic trial that needs no GPU.
-#[allow(dead_code)] // only the GPU harnesses use it
 pub fn host_trial(name: String, test: fn()) -> libtest_mimic::Trial {
     libtest_mimic::Trial::test(name, move || {
         test();
@@ -147,7 +148,7 @@ pub fn serial() -> Exclusive {
         .write()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     EXCLUSIVE.with(|e| e.set(true));
-    Exclusive(guard)
+    Exclusive { _guard: guard }
 }
 
 /// Held by tests that check what their own caches hold, so that no [`serial`] test releases
@@ -171,7 +172,9 @@ thread_local! {
 }
 
 /// The guard of [`serial`].
-pub struct Exclusive(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+pub struct Exclusive {
+    _guard: RwLockWriteGuard<'static, ()>,
+}
 
 impl Drop for Exclusive {
     fn drop(&mut self) {

@@ -63,10 +63,15 @@ impl Pattern for f16 {
 /// The element types the tests use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dt {
+    /// `f32`.
     F32,
+    /// `u8`.
     U8,
+    /// `i64`.
     I64,
+    /// `bool`.
     Bool,
+    /// `f16`.
     F16,
 }
 
@@ -104,10 +109,15 @@ impl Init {
 /// An array of one of the [`Dt`] types.
 #[derive(Debug)]
 pub enum AnyArray {
+    /// [`Dt::F32`].
     F32(Array<f32>),
+    /// [`Dt::U8`].
     U8(Array<u8>),
+    /// [`Dt::I64`].
     I64(Array<i64>),
+    /// [`Dt::Bool`].
     Bool(Array<bool>),
+    /// [`Dt::F16`].
     F16(Array<f16>),
 }
 

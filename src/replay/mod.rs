@@ -27,7 +27,6 @@
 //! one thread and the device's default stream. An `alloc` of a buffer number that is live is an
 //! error when the log is read; a `free` of a buffer the log never allocated (one allocated before
 //! the recording, or outside its scopes) is skipped. Zero-byte allocations are fine.
-#![allow(dead_code)] // each example uses a part
 
 pub mod plan;
 
@@ -68,24 +67,35 @@ const fn config(reuse: Reuse, key: KeyPolicy) -> CacheConfig {
     }
 }
 
+/// What reading and replaying a log return.
 pub type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
 /// One operation of a log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
+    /// `enter`: a scope of the cache named.
     Enter(String),
+    /// `exit`: the innermost scope, of the cache named.
     Exit(String),
+    /// `alloc`: an array, in the cache of the innermost scope.
     Alloc {
+        /// The cache the allocation was recorded in.
         cache: String,
+        /// The buffer's number (its `free` names it too).
         buffer: u64,
+        /// The bytes allocated.
         bytes: usize,
-        /// The element size and shape (for the cache's key).
+        /// The element size in bytes (with `dims`, the cache's key).
         elem: usize,
+        /// The array's shape (empty for a scalar).
         dims: Vec<usize>,
     },
+    /// `free`: the array of a live buffer drops.
     Free {
+        /// The buffer's number.
         buffer: u64,
     },
+    /// `invalidate` of the cache named.
     Invalidate(String),
 }
 
@@ -245,6 +255,7 @@ pub enum Mode {
 enum Bare {
     Host(std::ptr::NonNull<u8>, std::alloc::Layout),
     #[cfg(feature = "cuda")]
+    #[allow(dead_code, reason = "held for its drop, which frees it on its stream")]
     Cuda(gpucache::cuda::cudarc::driver::CudaSlice<u8>),
 }
 

@@ -2,9 +2,6 @@
 //! step's buffers taken from an [`Allocator`] (gpucache's cache, cudarc's allocation, or
 //! buffers allocated once by hand), so that one model serves the training example, the step
 //! benchmark and the data-parallel example.
-//!
-//! Include it from an example with `#[path = "mlp/mod.rs"] mod mlp;`.
-#![allow(dead_code, reason = "each example uses a different part")]
 
 use std::cell::{Cell, RefCell, RefMut};
 use std::error::Error;
@@ -19,6 +16,7 @@ use gpucache::cuda::cudarc::driver::{
 use gpucache::cuda::cudarc::nvrtc::compile_ptx;
 use gpucache::{Array, Device};
 
+/// What the model's steps return.
 pub type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
 const KERNELS: &str = r#"
@@ -51,7 +49,7 @@ extern "C" __global__ void sgd(float* w, const float* g, float lr, unsigned n) {
 }
 "#;
 
-/// The elementwise kernels of [`KERNELS`], compiled with NVRTC.
+/// The elementwise kernels (CUDA C in this module's source), compiled with NVRTC.
 pub struct Kernels {
     bias_relu: CudaFunction,
     bias: CudaFunction,
@@ -59,15 +57,20 @@ pub struct Kernels {
     relu_back: CudaFunction,
     col_sum: CudaFunction,
     tanh: CudaFunction,
+    /// `sgd(w, g, lr, n)`: `w -= lr * g` over `n` floats.
     pub sgd: CudaFunction,
 }
 
 /// What a step runs on: the device, the thread's current stream (where gpucache allocates),
 /// a cuBLAS handle on that stream, and the kernels.
 pub struct Gpu {
+    /// The device.
     pub dev: Device,
+    /// The thread's current stream of `dev`.
     pub stream: Arc<CudaStream>,
+    /// cuBLAS, on `stream`.
     pub blas: CudaBlas,
+    /// The elementwise kernels.
     pub k: Kernels,
 }
 
@@ -204,7 +207,9 @@ impl Gpu {
 pub trait Buffer {
     /// What cuBLAS gets.
     type Slice: DevicePtr<f32> + DevicePtrMut<f32>;
+    /// The buffer, to read.
     fn slice(&self) -> &Self::Slice;
+    /// The buffer, to write.
     fn slice_mut(&mut self) -> &mut Self::Slice;
     /// Pushes the buffer as a kernel argument the kernel reads.
     fn input<'a, 'b: 'a>(&'b self, launch: &mut LaunchArgs<'a>);
@@ -253,6 +258,7 @@ impl Buffer for RefMut<'_, CudaSlice<f32>> {
 
 /// Where a step's buffers come from.
 pub trait Allocator {
+    /// The buffers it hands out.
     type Buf<'a>: Buffer
     where
         Self: 'a;
@@ -300,6 +306,7 @@ pub struct Preallocated {
 }
 
 impl Preallocated {
+    /// No buffers yet: the first step allocates them on `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Preallocated {
         Preallocated {
             stream,
@@ -358,10 +365,15 @@ impl Allocator for Preallocated {
 /// hidden -> output, ReLU after every layer but the last.
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
+    /// Rows of a batch.
     pub batch: usize,
+    /// Width of the input.
     pub input: usize,
+    /// Width of every hidden layer.
     pub hidden: usize,
+    /// Width of the output.
     pub output: usize,
+    /// Dense layers.
     pub layers: usize,
 }
 
@@ -416,18 +428,23 @@ impl Dims {
 
 /// One dense layer: `w` is fan-in x fan-out, row-major.
 pub struct Layer {
+    /// The weights, fan-in x fan-out.
     pub w: Array<f32>,
+    /// The bias, fan-out.
     pub b: Array<f32>,
 }
 
 /// The model: `yhat = relu(... relu(x w1 + b1) ...) wL + bL`, row-major.
 pub struct Mlp {
+    /// The layers, input first.
     pub layers: Vec<Layer>,
 }
 
 /// A layer's gradients.
 pub struct Grad<B> {
+    /// The weights' gradient.
     pub w: B,
+    /// The bias's gradient.
     pub b: B,
 }
 
@@ -583,6 +600,7 @@ impl Mlp {
     }
 }
 
+/// `bytes` in MiB.
 pub fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }

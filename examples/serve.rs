@@ -30,7 +30,7 @@ fn infer(dev: Device, batch: usize, seed: f32) -> Result<Array<f32>> {
 }
 
 fn main() -> Result<()> {
-    // Batch sizes vary and results outlive their step (README, "Choosing a key policy").
+    // Batch sizes vary and results outlive their step (crate docs, "Choosing a key policy").
     gpucache::configure(
         "infer",
         CacheConfig {

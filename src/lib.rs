@@ -9,9 +9,17 @@
 //! * [`trace_plot`]: memory over time drawn from a trace (`examples/train`,
 //!   `examples/plot_trace`);
 //! * `mlp` (feature `cuda`): the MLP the CUDA examples train and the GPU tests capture.
+//!
+//! Its doc tests include the README's Rust code blocks (`ReadmeDoctests`).
 
 pub mod common;
 #[cfg(feature = "cuda")]
 pub mod mlp;
 pub mod replay;
 pub mod trace_plot;
+
+/// The Rust code blocks of the repository's README.md, compiled and run as this crate's doc
+/// tests by `cargo test` (a block that cannot run says why, and is marked `no_run` or `ignore`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

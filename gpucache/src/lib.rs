@@ -296,6 +296,13 @@
 //! its scope. gpucache is not a communication library: starting ranks and handing NCCL's unique
 //! id over are the program's. The `nccl` module documents the set-ups.
 //!
+//! gpucache's own methods (`Array::record_stream`, the NCCL calls) refuse an array of another
+//! device with [`Error::DeviceMismatch`]. A kernel launch cannot check devices (cudarc's launch
+//! builder does not tell its arguments which stream they are for), so an array of another GPU
+//! given to a kernel is what CUDA makes of it: a fault of that launch
+//! (`CUDA_ERROR_ILLEGAL_ADDRESS`, after which that GPU's context is unusable) or, where peer
+//! access is enabled, a read of the other GPU's memory.
+//!
 //! ## Memory over time
 //!
 //! Recording is opt-in, at run time: `GPUCACHE_TRACE=trace.json` in the environment records

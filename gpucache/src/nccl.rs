@@ -26,7 +26,9 @@
 //!   makes the [`UniqueId`] and hands it to the other processes at start-up, as text
 //!   (`id.to_string()`, parsed back with `str::parse`); each process calls [`Comm::new`] with its
 //!   rank. Across hosts NCCL talks over the network (InfiniBand or TCP sockets); nothing in the
-//!   code changes.
+//!   code changes: start the ranks of each host with a launcher there (or `mpirun`, Slurm) and
+//!   hand every rank the same id (rank 0's id names the address the others connect to). Keep
+//!   NCCL's environment (`NCCL_NVLS_ENABLE` and the like) in the environment the ranks get.
 //!
 //! ```no_run
 //! use gpucache::nccl::{Comm, ReduceOp, UniqueId};
@@ -53,7 +55,8 @@
 //! ```
 //!
 //! gpucache is not a communication library: it keeps per-device caches and lets NCCL work on
-//! their arrays. Choosing ranks, starting processes and handing the id over are the program's.
+//! their arrays. Choosing ranks, starting processes, handing the id over, bucketing gradients
+//! and overlapping communication with computation are the program's (or a framework's).
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};

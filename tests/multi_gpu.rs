@@ -31,10 +31,6 @@ fn two_gpus() -> Option<(Device, Device, MutexGuard<'static, ()>)> {
     Some((devices[0], devices[1], guard))
 }
 
-fn caching() -> bool {
-    std::env::var_os("GPUCACHE_DISABLE").is_none_or(|v| v != "1")
-}
-
 fn ordinal(dev: Device) -> usize {
     match dev {
         Device::Cuda(n) => n,
@@ -124,7 +120,7 @@ fn a_buffer_is_never_served_to_another_device() -> TestResult {
         }
         let after = (gpucache::device_stats(d0)?, gpucache::device_stats(d1)?);
         let s = stats(&name);
-        if caching() {
+        if common::caching() {
             // Each device allocated its own buffers (one, or two under OnExit), never the other's.
             let per_device = if reuse == Reuse::Immediate { 1 } else { 2 };
             assert_eq!(after.0.allocs - before.0.allocs, per_device, "{name}");
@@ -166,7 +162,7 @@ fn out_of_memory_on_one_device_releases_only_that_devices_buffers() -> TestResul
     let Some((d0, d1, _gpu)) = two_gpus() else {
         return Ok(());
     };
-    if !caching() {
+    if !common::caching() {
         return Ok(()); // nothing is cached to release
     }
     let gib = 1usize << 30;
@@ -407,7 +403,7 @@ fn collectives_work_on_cached_arrays_with_no_copy() -> TestResult {
             comm.all_reduce(&mut grad, ReduceOp::Sum)?;
             // The collective ran in the array's own buffer, the one the cache recycles.
             assert_eq!(grad.device_ptr(&current(dev)).0, addr);
-            if caching() && step > 0 {
+            if common::caching() && step > 0 {
                 assert_eq!(Some(addr), grad_addr, "the cached buffer came back");
             }
             grad_addr = Some(addr);
@@ -436,7 +432,7 @@ fn collectives_work_on_cached_arrays_with_no_copy() -> TestResult {
             })?;
             assert_eq!(theirs.to_vec()?, [1 - rank as i32; 7]);
         }
-        if caching() {
+        if common::caching() {
             let s = stats(name);
             assert_eq!((s.misses, s.hits), (6, 18), "rank {rank}: {s}");
         }
@@ -524,7 +520,7 @@ fn a_collective_on_a_side_stream_orders_the_buffers_reuse() -> TestResult {
             assert!(g.to_vec()?.iter().all(|&x| x == (1 + step) as f32));
         }
         let s = stats(name);
-        assert_eq!(s.hits + s.misses, if caching() { 3 } else { 0 });
+        assert_eq!(s.hits + s.misses, if common::caching() { 3 } else { 0 });
         Ok(())
     }) else {
         return Ok(());

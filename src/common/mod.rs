@@ -84,6 +84,13 @@ pub fn gpu() -> Result<Device, String> {
     }
 }
 
+/// Whether caching is on. `GPUCACHE_DISABLE` turns it off (for compute-sanitizer) with any of
+/// the values the crate docs name ("Turning caching off"); read here as the library reads it:
+/// [`gpucache::summary`] then starts with the line `caching disabled`.
+pub fn caching() -> bool {
+    !gpucache::summary().starts_with("caching disabled")
+}
+
 /// A libtest-mimic trial that runs `test` on the GPU, or is listed as ignored without one.
 pub fn gpu_trial(
     name: String,

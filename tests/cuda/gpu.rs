@@ -2,8 +2,9 @@
 //! escaping arrays, cross-stream reuse, out-of-memory recovery, `bool` copies, streams.
 //!
 //! `TESTS` need a GPU (the harness in `main.rs` lists them as ignored without one);
-//! `HOST_TESTS` run everywhere. Under `GPUCACHE_DISABLE=1` (caching off, for compute-sanitizer)
-//! the tests check the values and that nothing was cached instead of the hit counts.
+//! `HOST_TESTS` run everywhere. Under `GPUCACHE_DISABLE=1` (caching off, for compute-sanitizer;
+//! `common::caching`) the tests check the values and that nothing was cached instead of the hit
+//! counts.
 
 use std::error::Error as StdError;
 use std::sync::{Arc, OnceLock};
@@ -15,12 +16,7 @@ use gpucache::cuda::cudarc::driver::{
 use gpucache::cuda::cudarc::nvrtc::compile_ptx;
 use gpucache::{Array, CacheConfig, Device, Error, enter, stats};
 
-use gpucache_suite::common::{self, TestResult};
-
-/// Whether caching is on (`GPUCACHE_DISABLE=1` turns it off).
-fn caching() -> bool {
-    std::env::var_os("GPUCACHE_DISABLE").is_none_or(|v| v != "1")
-}
+use gpucache_suite::common::{self, TestResult, caching};
 
 const KERNELS: &str = r#"
 extern "C" __global__ void fill(float* y, float v, unsigned n) {

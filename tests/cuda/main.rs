@@ -38,10 +38,10 @@ fn main() {
     let gpu = common::gpu();
     // Without caching (`GPUCACHE_DISABLE=1`, for compute-sanitizer) the cache's rules do not
     // hold: the device tests of `tests/all` are listed as ignored; `gpu.rs` adapts its checks.
-    let caching = std::env::var_os("GPUCACHE_DISABLE").is_none_or(|v| v != "1");
+    let caching = common::caching();
     if !caching {
         eprintln!(
-            "notice: GPUCACHE_DISABLE=1: the device tests of tests/all and the graph tests are ignored"
+            "notice: GPUCACHE_DISABLE: the device tests of tests/all and the graph tests are ignored"
         );
     }
     let mut trials = Vec::new();

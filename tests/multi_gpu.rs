@@ -555,48 +555,21 @@ fn bad_ranks_and_ids_are_typed_errors_without_a_gpu() {
 type TwoGpuTest = fn() -> TestResult;
 
 /// The tests that need two GPUs.
-const TWO_GPU_TESTS: &[(&str, TwoGpuTest)] = &[
-    (
-        "a_buffer_is_never_served_to_another_device",
-        a_buffer_is_never_served_to_another_device,
-    ),
-    ("device_stats_are_per_device", device_stats_are_per_device),
-    (
-        "out_of_memory_on_one_device_releases_only_that_devices_buffers",
-        out_of_memory_on_one_device_releases_only_that_devices_buffers,
-    ),
-    (
-        "current_streams_are_per_device_and_per_thread",
-        current_streams_are_per_device_and_per_thread,
-    ),
-    (
-        "a_launch_with_an_array_of_another_device_fails_cleanly_or_reads_it",
-        a_launch_with_an_array_of_another_device_fails_cleanly_or_reads_it,
-    ),
-    (
-        "collectives_work_on_cached_arrays_with_no_copy",
-        collectives_work_on_cached_arrays_with_no_copy,
-    ),
-    (
-        "collectives_refuse_arrays_of_another_device_and_bad_ranks",
-        collectives_refuse_arrays_of_another_device_and_bad_ranks,
-    ),
-    (
-        "a_collective_on_a_side_stream_orders_the_buffers_reuse",
-        a_collective_on_a_side_stream_orders_the_buffers_reuse,
-    ),
+const TWO_GPU_TESTS: &[(&str, TwoGpuTest)] = common::test_table![
+    a_buffer_is_never_served_to_another_device,
+    device_stats_are_per_device,
+    out_of_memory_on_one_device_releases_only_that_devices_buffers,
+    current_streams_are_per_device_and_per_thread,
+    a_launch_with_an_array_of_another_device_fails_cleanly_or_reads_it,
+    collectives_work_on_cached_arrays_with_no_copy,
+    collectives_refuse_arrays_of_another_device_and_bad_ranks,
+    a_collective_on_a_side_stream_orders_the_buffers_reuse,
 ];
 
 /// The tests that need no GPU.
-const HOST_TESTS: &[(&str, fn())] = &[
-    (
-        "a_device_past_the_last_gpu_is_a_typed_error",
-        a_device_past_the_last_gpu_is_a_typed_error,
-    ),
-    (
-        "bad_ranks_and_ids_are_typed_errors_without_a_gpu",
-        bad_ranks_and_ids_are_typed_errors_without_a_gpu,
-    ),
+const HOST_TESTS: &[(&str, fn())] = common::test_table![
+    a_device_past_the_last_gpu_is_a_typed_error,
+    bad_ranks_and_ids_are_typed_errors_without_a_gpu,
 ];
 
 fn main() {

@@ -49,6 +49,21 @@ macro_rules! __device_tests {
 #[doc(inline)]
 pub use crate::__device_tests as device_tests;
 
+/// A table of test functions by name, for a libtest-mimic harness: `test_table![a, b]` is
+/// `&[("a", a), ("b", b)]`, so that each test is named once. (A test function left out of its
+/// table is never called, and the compiler says so: dead code.)
+///
+/// A test binary reaches it as `common::test_table!` after `use gpucache_suite::common;`.
+#[macro_export]
+#[doc(hidden)] // documented at its re-export, `common::test_table!`
+macro_rules! __test_table {
+    ($($name:ident),* $(,)?) => {
+        &[$((stringify!($name), $name)),*]
+    };
+}
+#[doc(inline)]
+pub use crate::__test_table as test_table;
+
 /// Runs a test of [`device_tests!`] on `dev`, holding [`shared`].
 pub fn on_device(dev: Device, test: &str, f: fn(Device, &str)) {
     let _shared = shared();

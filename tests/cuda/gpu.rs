@@ -721,70 +721,25 @@ fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
 pub type GpuTest = fn(Device) -> TestResult;
 
 /// The tests that need a GPU.
-pub const TESTS: &[(&str, GpuTest)] = &[
-    (
-        "trace_events_carry_the_stream",
-        trace_events_carry_the_stream,
-    ),
-    (
-        "arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone",
-        arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
-    ),
-    (
-        "an_arena_block_is_reused_only_after_a_marked_stream",
-        an_arena_block_is_reused_only_after_a_marked_stream,
-    ),
-    (
-        "kernels_write_cached_arrays_and_values_round_trip",
-        kernels_write_cached_arrays_and_values_round_trip,
-    ),
-    (
-        "zeros_zeroes_a_recycled_buffer_on_the_gpu",
-        zeros_zeroes_a_recycled_buffer_on_the_gpu,
-    ),
-    (
-        "an_escaped_array_is_not_overwritten_by_later_steps",
-        an_escaped_array_is_not_overwritten_by_later_steps,
-    ),
-    (
-        "cross_stream_reuse_waits_for_the_marked_stream",
-        cross_stream_reuse_waits_for_the_marked_stream,
-    ),
-    (
-        "a_buffer_recycled_on_another_stream_moves_to_it",
-        a_buffer_recycled_on_another_stream_moves_to_it,
-    ),
-    (
-        "out_of_memory_releases_the_cache_and_reports_a_typed_error",
-        out_of_memory_releases_the_cache_and_reports_a_typed_error,
-    ),
-    (
-        "releasing_the_cache_lets_a_tight_allocation_succeed",
-        releasing_the_cache_lets_a_tight_allocation_succeed,
-    ),
-    (
-        "out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread",
-        out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread,
-    ),
-    (
-        "bool_arrays_read_any_nonzero_byte_as_true",
-        bool_arrays_read_any_nonzero_byte_as_true,
-    ),
-    (
-        "zero_size_arrays_and_stream_marks",
-        zero_size_arrays_and_stream_marks,
-    ),
-    (
-        "immediate_reuse_is_stream_ordered",
-        immediate_reuse_is_stream_ordered,
-    ),
+pub const TESTS: &[(&str, GpuTest)] = common::test_table![
+    trace_events_carry_the_stream,
+    arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
+    an_arena_block_is_reused_only_after_a_marked_stream,
+    kernels_write_cached_arrays_and_values_round_trip,
+    zeros_zeroes_a_recycled_buffer_on_the_gpu,
+    an_escaped_array_is_not_overwritten_by_later_steps,
+    cross_stream_reuse_waits_for_the_marked_stream,
+    a_buffer_recycled_on_another_stream_moves_to_it,
+    out_of_memory_releases_the_cache_and_reports_a_typed_error,
+    releasing_the_cache_lets_a_tight_allocation_succeed,
+    out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread,
+    bool_arrays_read_any_nonzero_byte_as_true,
+    zero_size_arrays_and_stream_marks,
+    immediate_reuse_is_stream_ordered,
 ];
 
 /// The tests that run with or without a GPU.
-pub const HOST_TESTS: &[(&str, fn())] = &[
-    ("device_errors_are_typed", device_errors_are_typed),
-    (
-        "cpu_arrays_are_refused_by_cuda_methods",
-        cpu_arrays_are_refused_by_cuda_methods,
-    ),
+pub const HOST_TESTS: &[(&str, fn())] = common::test_table![
+    device_errors_are_typed,
+    cpu_arrays_are_refused_by_cuda_methods,
 ];

@@ -22,35 +22,14 @@ use gpucache_suite::common::{self, TestResult};
 use gpucache_suite::mlp::{Cached, Dims, Gpu, Mlp};
 
 /// The tests that need a GPU.
-pub const TESTS: &[(&str, GpuTest)] = &[
-    (
-        "replayed_mlp_steps_compute_what_eager_steps_compute",
-        replayed_mlp_steps_compute_what_eager_steps_compute,
-    ),
-    (
-        "a_planned_step_is_captured_and_computes_what_eager_steps_compute",
-        a_planned_step_is_captured_and_computes_what_eager_steps_compute,
-    ),
-    (
-        "a_shape_change_during_capture_is_a_typed_error_and_runs_nothing",
-        a_shape_change_during_capture_is_a_typed_error_and_runs_nothing,
-    ),
-    (
-        "a_graph_holds_its_buffers_until_dropped",
-        a_graph_holds_its_buffers_until_dropped,
-    ),
-    (
-        "invalidate_configure_and_a_dropped_input_make_it_capture_again",
-        invalidate_configure_and_a_dropped_input_make_it_capture_again,
-    ),
-    (
-        "immediate_reuse_inside_a_step_is_captured",
-        immediate_reuse_inside_a_step_is_captured,
-    ),
-    (
-        "other_streams_and_host_copies_are_typed_errors",
-        other_streams_and_host_copies_are_typed_errors,
-    ),
+pub const TESTS: &[(&str, GpuTest)] = common::test_table![
+    replayed_mlp_steps_compute_what_eager_steps_compute,
+    a_planned_step_is_captured_and_computes_what_eager_steps_compute,
+    a_shape_change_during_capture_is_a_typed_error_and_runs_nothing,
+    a_graph_holds_its_buffers_until_dropped,
+    invalidate_configure_and_a_dropped_input_make_it_capture_again,
+    immediate_reuse_inside_a_step_is_captured,
+    other_streams_and_host_copies_are_typed_errors,
 ];
 
 /// A new stream of `dev`'s context made the thread's current stream (a graph cannot be

@@ -711,6 +711,79 @@ fn an_arena_block_is_reused_only_after_a_marked_stream(dev: Device) -> TestResul
     Ok(())
 }
 
+/// A step that leaves its plan without growing is served from the free bytes of the plan's
+/// block: kernels compute there with no device allocation, an array kept alive keeps its bytes,
+/// and a range used on another stream is not handed out again within the step.
+fn a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes(dev: Device) -> TestResult {
+    let name = "cuda-gaps";
+    arena(name);
+    let stream = current(dev);
+    let n = 1 << 16;
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+    let mut held = HeldCopy::new(dev, n)?;
+    // The recorded step: a scratch array of 4n dies first, then x, then y (x dropped before y
+    // is made): the plan puts all three over the same bytes.
+    for _ in 0..2 {
+        let _scope = enter(name);
+        let mut scratch = Array::<f32>::empty(dev, 4 * n)?;
+        fill(&stream, &mut scratch, -1.0)?;
+        drop(scratch);
+        drop(Array::from_slice(dev, &host, n)?);
+        drop(Array::<f32>::zeros(dev, n)?);
+    }
+    let misses = stats(name).misses;
+    {
+        let _scope = enter(name);
+        let mut scratch = Array::<f32>::empty(dev, 4 * n)?;
+        fill(&stream, &mut scratch, -1.0)?;
+        drop(scratch);
+        // x stays alive over y's planned bytes: y comes from the block's free bytes.
+        let x = Array::from_slice(dev, &host, n)?;
+        let mut y = Array::<f32>::empty(dev, n)?;
+        let (len, config) = (n as u32, cfg(n));
+        let mut launch = stream.launch_builder(&kernels(dev).affine);
+        launch
+            .arg(&mut y)
+            .arg(&x)
+            .arg(&2.0f32)
+            .arg(&1.0f32)
+            .arg(&len);
+        // SAFETY: `affine` takes (float*, const float*, float, float, unsigned) and touches the
+        // first `n` elements of y and x.
+        unsafe { launch.launch(config) }?;
+        let want: Vec<f32> = host.iter().map(|&v| 2.0 * v + 1.0).collect();
+        assert_eq!(
+            y.to_vec()?,
+            want,
+            "a kernel on an array from the block's free bytes"
+        );
+        assert_eq!(x.to_vec()?, host, "x kept its bytes");
+        let y_addr = addr(&y);
+        // B reads y until released; y drops meanwhile: its range stays taken.
+        held.launch(&y)?;
+        drop(y);
+        let z = Array::from_slice(dev, &vec![-2.0f32; n], n)?;
+        let w = Array::from_slice(dev, &vec![-3.0f32; n], n)?;
+        if caching() {
+            assert_eq!(
+                stats(name).misses,
+                misses,
+                "no device allocation in the step"
+            );
+            assert!(
+                addr(&z) != y_addr && addr(&w) != y_addr,
+                "y's range handed out under B"
+            );
+        }
+        assert_eq!(held.release()?, 1, "B waited for the flag");
+        assert_eq!(held.out.to_vec()?, want, "B read y's values");
+        assert_eq!(z.to_vec()?, vec![-2.0f32; n]);
+        assert_eq!(x.to_vec()?, host);
+    }
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// Runs `f` in a scope of `name`.
 fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
     let _scope = enter(name);
@@ -725,6 +798,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     trace_events_carry_the_stream,
     arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
     an_arena_block_is_reused_only_after_a_marked_stream,
+    a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,
     an_escaped_array_is_not_overwritten_by_later_steps,

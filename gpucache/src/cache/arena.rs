@@ -768,7 +768,7 @@ impl CacheState {
     /// Takes back a view on the owner thread (lock holder): records when it dropped, frees its
     /// position (unless it was used on another stream: then `tainted`), and takes back a
     /// retired block whose last view it was.
-    #[inline]
+    #[inline(always)]
     fn drop_view(
         &mut self,
         st: &Counters,

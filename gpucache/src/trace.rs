@@ -22,16 +22,20 @@
 //!     trace.events().iter().filter(|e| e.kind == k && e.cache.as_deref() == Some("trace-doc")).count()
 //! };
 //! use gpucache::trace::EventKind::*;
-//! // Misses: the first step's array, then the plan's block; the third step is a hit.
+//! // Misses: the first step's array, then the plan's block (also recorded as the block it
+//! // is); the third step is a hit. The first step's array went back to the device, the later
+//! // ones back to the plan.
 //! assert_eq!((mine(ScopeEnter), mine(Miss), mine(Hit), mine(ScopeExit)), (3, 2, 1, 3));
+//! assert_eq!((mine(PlanBlock), mine(DeviceFree), mine(FreeToCache)), (1, 1, 2));
 //! let mut json = Vec::new();
 //! trace.write_chrome(&mut json)?; // or trace.save("trace.json")?
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! Open a saved trace at <https://ui.perfetto.dev> ("Open trace file") or in `chrome://tracing`:
-//! each thread is a track with its scopes as slices and instant events for misses, device frees,
-//! invalidations, evictions, `empty_cache`, out-of-memory and returns from other threads;
+//! each thread is a track with its scopes as slices and instant events for misses, the blocks of
+//! plans, device frees, invalidations, evictions, `empty_cache`, out-of-memory and returns from
+//! other threads;
 //! counter tracks show the bytes in use and cached per device and per cache.
 //!
 //! # Events and their cost
@@ -46,7 +50,8 @@
 //! default used; chunks of the buffer are allocated as events fill them); events past that
 //! are counted in [`Trace::dropped`], not kept. While recording is off, the hit path and drops
 //! pay nothing (the test of a cache's flags they make anyway sends a recorded cache to the slow
-//! path) and a scope's entry and exit one test each. While it is on, each event is a write into
+//! path; a planned cache's drop, already there, tests whether recording is on) and a scope's
+//! entry and exit one test each. While it is on, each event is a write into
 //! the thread's own buffer (the repository's BENCHMARKS.md has what that costs).
 
 mod chrome;

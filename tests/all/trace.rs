@@ -35,7 +35,7 @@ fn record(f: impl FnOnce()) -> Trace {
 }
 
 #[test]
-fn planned_allocations_are_recorded_as_hits_and_new_blocks_as_misses() {
+fn planned_allocations_drops_and_blocks_are_recorded() {
     let _serial = serial();
     let name = "trace-arena";
     configure(name, |c| c.key = gpucache::KeyPolicy::Planned);
@@ -72,8 +72,56 @@ fn planned_allocations_are_recorded_as_hits_and_new_blocks_as_misses() {
         .flat_map(|&[a, b]| [(128, a), (3, b)])
         .collect();
     assert_eq!(bumps, expected);
-    // The drops are not events of their own.
-    assert_eq!(count(&events, EventKind::FreeToCache), 0);
+    // The plan's block, made in the second step: both arrays, alive together, 256 bytes each.
+    let blocks: Vec<&&Event> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::PlanBlock)
+        .collect();
+    assert_eq!(blocks.len(), 1);
+    assert_eq!(blocks[0].bytes, 512);
+    assert_eq!(
+        blocks[0].buffer,
+        Some(addrs[1][0]),
+        "the block starts at a's offset 0"
+    );
+    // The first step's blocks go back to the device as their arrays drop; the later steps'
+    // arrays go back to the plan.
+    assert_eq!(count(&events, EventKind::DeviceFree), 2);
+    assert_eq!(count(&events, EventKind::FreeToCache), 4);
+    let last = events.last().unwrap();
+    assert_eq!(
+        last.bytes_after,
+        Some((0, 512)),
+        "nothing in use, the block cached"
+    );
+    // So the trace replays: every allocation ends.
+    let ops = replay::from_trace(&t, None);
+    let allocs = ops.iter().filter(|o| matches!(o, Op::Alloc { .. })).count();
+    let frees = ops.iter().filter(|o| matches!(o, Op::Free { .. })).count();
+    assert_eq!((allocs, frees), (6, 6));
+    gpucache::invalidate(name);
+}
+
+#[test]
+fn a_planned_array_dropped_on_another_thread_is_recorded_as_returned() {
+    let _serial = serial();
+    let name = "trace-arena-returned";
+    configure(name, |c| c.key = gpucache::KeyPolicy::Planned);
+    let mut at = 0;
+    let t = record(|| {
+        let a = {
+            let _scope = enter(name);
+            Array::<f32>::zeros(Device::Cpu, 100).unwrap()
+        };
+        at = a.as_slice().unwrap().as_ptr() as u64;
+        std::thread::spawn(move || drop(a)).join().unwrap();
+    });
+    let returned: Vec<(usize, Option<u64>)> = of(&t, name)
+        .iter()
+        .filter(|e| e.kind == EventKind::Returned)
+        .map(|e| (e.bytes, e.buffer))
+        .collect();
+    assert_eq!(returned, [(400, Some(at))]);
     gpucache::invalidate(name);
 }
 

@@ -72,7 +72,8 @@
 //! A plan hit or a spare is a hit; a new solo block or plan block a miss (one device
 //! allocation). The bytes of a plan's block that no array uses, and spares, count as cached.
 //! While recording ([`crate::trace`]) a hit and a miss are recorded with the array's bytes and
-//! address; the drop of a planned array is not recorded.
+//! address, the plan's block when it is allocated ([`EventKind::PlanBlock`]), a drop as back to
+//! the cache (or returned, from another thread), and every block given back to the device.
 
 pub(super) mod block;
 pub(super) mod device;
@@ -80,6 +81,7 @@ pub(super) mod gaps;
 pub(super) mod layout;
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::*;
 
 use super::counters::{Counters, GaugeIx, add, sub};
@@ -87,7 +89,7 @@ use super::state::{CacheState, ConfigSeq};
 use super::{ARENA, CacheCell, Got, Home, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, size_class_within};
-use crate::trace::record::{self, EventKind, Note};
+use crate::trace::record::{self, CellName, EventKind, Note};
 use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
@@ -215,6 +217,31 @@ impl Plan {
     }
 }
 
+/// What a recorded event says of a planned array that dropped, and the cache's count of device
+/// frees before the drop.
+#[derive(Clone, Copy)]
+struct ViewNote {
+    bytes: usize,
+    buffer: u64,
+    device: Device,
+    stream: Option<u64>,
+    frees: u64,
+}
+
+impl ViewNote {
+    #[cold]
+    #[inline(never)]
+    fn of(view: &Block, st: &Counters) -> ViewNote {
+        ViewNote {
+            bytes: view.bytes(),
+            buffer: view.id(),
+            device: view.device(),
+            stream: view.stream_id(),
+            frees: st.device_frees.load(Relaxed),
+        }
+    }
+}
+
 /// What the planned path gives [`CacheCell::take`].
 enum Planned {
     /// A view, with its home's `slot` and step.
@@ -241,10 +268,27 @@ fn uncached(st: &Counters, g: GaugeIx, bytes: usize) {
     sub(st.gauge(g).cached, bytes);
 }
 
-/// Gives `block`, cached in gauge `g`, back to the device.
-fn free_cached(st: &Counters, g: GaugeIx, block: Block) {
-    uncached(st, g, block.bytes());
+/// Records `kind` about `block`, of gauge `g` of the cache named `trace`, with the cache's bytes
+/// on the device after it.
+#[cold]
+#[inline(never)]
+fn note_block(st: &Counters, g: GaugeIx, trace: &CellName, kind: EventKind, block: &Block) {
+    record::push(Note {
+        bytes: block.bytes(),
+        buffer: Some(block.id()),
+        device: Some(block.device()),
+        stream: block.stream_id(),
+        bytes_after: Some(super::traced::gauge_bytes(st, g)),
+        ..Note::about(kind, Some(trace.id()))
+    });
+}
+
+/// Gives `block`, of gauge `g` of the cache named `trace`, back to the device (recorded).
+fn free_block(st: &Counters, g: GaugeIx, trace: &CellName, block: Block) {
     st.freed(g, block.bytes());
+    if record::on() {
+        note_block(st, g, trace, EventKind::DeviceFree, &block);
+    }
 }
 
 /// The `slot` of the home of an array at `pos`.
@@ -260,10 +304,11 @@ fn gap_slot(rec: u32) -> u32 {
 }
 
 impl DeviceArena {
-    fn new(device: Device, gauge: GaugeIx) -> DeviceArena {
+    fn new(device: Device, gauge: GaugeIx, trace: Arc<CellName>) -> DeviceArena {
         DeviceArena {
             device,
             gauge,
+            trace,
             step: 0,
             tick: 0,
             record: Vec::new(),
@@ -274,6 +319,12 @@ impl DeviceArena {
             spares: Vec::new(),
             awaiting: None,
         }
+    }
+
+    /// Gives `block`, counted as cached, back to the device.
+    fn free_cached(&self, st: &Counters, block: Block) {
+        uncached(st, self.gauge, block.bytes());
+        free_block(st, self.gauge, &self.trace, block);
     }
 
     /// A spare of at least `size` bytes and at most a quarter more (or `size`'s size class, which
@@ -313,7 +364,7 @@ impl DeviceArena {
         // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
         let block = unsafe { ArenaBlock::into_block(arena) };
         if block.is_idle() {
-            free_cached(st, self.gauge, block);
+            self.free_cached(st, block);
         } else {
             // Another stream may still use it: kept (and not reused) until that work is done,
             // then given back with the spares.
@@ -398,10 +449,11 @@ impl DeviceArena {
         self.awaiting = None;
         let step = self.step;
         self.step = step.wrapping_add(1);
-        let (gauge, mut i) = (self.gauge, 0);
+        let mut i = 0;
         while i < self.spares.len() {
             if self.spares[i].step != step {
-                free_cached(st, gauge, self.spares.swap_remove(i).block);
+                let spare = self.spares.swap_remove(i);
+                self.free_cached(st, spare.block);
             } else {
                 i += 1;
             }
@@ -418,7 +470,10 @@ impl CacheState {
             return Some(i);
         }
         let gauge = st.gauge_for(device)?;
-        self.arenas.devices.push(DeviceArena::new(device, gauge));
+        let trace = Arc::clone(&self.trace);
+        self.arenas
+            .devices
+            .push(DeviceArena::new(device, gauge, trace));
         Some(self.arenas.devices.len() - 1)
     }
 
@@ -674,6 +729,9 @@ impl CacheState {
             && plan.layout.serve(pos, size, rec) == Serve::At(offset)
         {
             cached(st, a.gauge, block.bytes());
+            if record::on() {
+                note_block(st, a.gauge, &a.trace, EventKind::PlanBlock, &block);
+            }
             plan.block = Some(ArenaBlock::new(block, generation));
             // A new block has no earlier work to order after.
             plan.ready = true;
@@ -703,7 +761,7 @@ impl CacheState {
                 continue;
             }
             for spare in std::mem::take(&mut a.spares) {
-                free_cached(st, a.gauge, spare.block);
+                a.free_cached(st, spare.block);
             }
             retired += usize::from(a.drop_plan(st));
             a.awaiting = None;
@@ -739,7 +797,7 @@ impl CacheState {
     pub(super) fn free_arena_block(&mut self, st: &Counters, block: Block) {
         // Every arena block was made in an arena, so its device has a gauge.
         if let Some(g) = st.find_gauge(block.device()) {
-            st.freed(g, block.bytes());
+            free_block(st, g, &self.trace, block);
         }
     }
 
@@ -760,7 +818,7 @@ impl CacheState {
                 let block = a.spares.remove(0).block;
                 spare -= block.bytes();
                 add(&st.evictions, 1);
-                free_cached(st, a.gauge, block);
+                a.free_cached(st, block);
             }
         }
     }
@@ -922,6 +980,35 @@ impl CacheCell {
         Some((view, self.home(slot, step)))
     }
 
+    /// Records the drop of a planned array on the owner thread as back to the cache, unless its
+    /// block went back to the device meanwhile (recorded as such instead, as a free list
+    /// records a stale buffer).
+    #[cold]
+    #[inline(never)]
+    fn note_view_kept(&self, n: ViewNote) {
+        if self.stats.device_frees.load(Relaxed) == n.frees {
+            self.note_view_dropped(EventKind::FreeToCache, n);
+        }
+    }
+
+    /// Records the drop of a planned array (`kind`: on the owner thread, back to its cache,
+    /// with the cache's bytes on the device after it; else returned from another thread, as a
+    /// free list records it, with no bytes: the owner's counts are not final until it takes
+    /// the block back).
+    fn note_view_dropped(&self, kind: EventKind, n: ViewNote) {
+        let gauge = (kind == EventKind::FreeToCache)
+            .then(|| self.stats.find_gauge(n.device))
+            .flatten();
+        record::push(Note {
+            bytes: n.bytes,
+            buffer: Some(n.buffer),
+            device: Some(n.device),
+            stream: n.stream,
+            bytes_after: gauge.map(|g| super::traced::gauge_bytes(&self.stats, g)),
+            ..Note::about(kind, Some(self.trace_id()))
+        });
+    }
+
     /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for a planned cache the whole
     /// allocation. A cache that is no longer one (its arrays keep the flag set) first looks up
     /// its free list as the hit path does (`None`: go on as for any cache).
@@ -1046,14 +1133,25 @@ impl CacheCell {
         // SAFETY: the block is alive while it is the plan's or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };
+        let noted = record::on().then(|| ViewNote::of(&view, &cell.stats));
         if std::ptr::eq(current, cell) && !cell.is_closed() {
             // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
             // is the owner thread, inside a scope of the cell.
             let state = unsafe { cell.locked() };
             state.drop_view(&cell.stats, arena, &home, view, tainted);
+            if let Some(n) = noted {
+                cell.note_view_kept(n);
+            }
         } else if cell.is_owned_here() && !cell.is_closed() {
             cell.owned(|state, st| state.drop_view(st, arena, &home, view, tainted));
+            if let Some(n) = noted {
+                cell.note_view_kept(n);
+            }
         } else {
+            if let Some(n) = noted {
+                // Before the count: once it is down, the cell may go.
+                cell.note_view_dropped(EventKind::Returned, n);
+            }
             // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.
             unsafe { view.drop_view() };
             // SAFETY: as above.

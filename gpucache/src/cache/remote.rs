@@ -207,7 +207,9 @@ pub(super) fn send_home_remote(home: Home, block: Block) {
                 slot: home.slot,
                 generation: home.generation,
             };
-            if record::on() {
+            // A planned array's drop was recorded as returned already (its block follows it
+            // home only when it was the block's last array).
+            if record::on() && !is_arena_slot(r.slot) {
                 cell.note_returned(&r);
             }
             remote.queue.push(r);

@@ -59,6 +59,10 @@ pub enum EventKind {
     /// An array dropped on this thread returned its buffer to another thread's cache (or, the
     /// owner having exited, freed it).
     Returned,
+    /// A planned cache allocated the block of its plan (`bytes`) from the device. Its arrays are
+    /// views of it at planned offsets: the allocation that made it is recorded as a miss (of the
+    /// array's bytes), later ones as hits.
+    PlanBlock,
     /// The cache's bytes changed without an allocation or a free: buffers dropped in a scope
     /// became free at its exit, work on other streams completed, buffers returned by other
     /// threads were taken in. Also the reading of every cache when recording starts.

@@ -2,12 +2,15 @@
 //! the spares (data only; the `arena` module holds what is done with it). It sits below the
 //! cache state, which holds one [`Arenas`].
 
+use std::sync::Arc;
+
 use super::block::BlockPtr;
 use super::gaps::Gaps;
 use super::layout::{Layout, Rec};
 use crate::Device;
 use crate::backend::Block;
 use crate::cache::counters::GaugeIx;
+use crate::trace::record::CellName;
 
 /// A plan of one device: its layout and its block.
 pub(in crate::cache) struct Plan {
@@ -49,6 +52,8 @@ pub(super) enum Awaiting {
 pub(in crate::cache) struct DeviceArena {
     pub(super) device: Device,
     pub(super) gauge: GaugeIx,
+    /// The cache's name, for recorded events.
+    pub(super) trace: Arc<CellName>,
     /// The number of the current step (wraps).
     pub(super) step: u32,
     /// The current step's allocations so far.

@@ -217,27 +217,24 @@ impl Plan {
     }
 }
 
-/// What a recorded event says of a planned array that dropped, and the cache's count of device
-/// frees before the drop.
+/// What a recorded event says of a planned array that dropped.
 #[derive(Clone, Copy)]
 struct ViewNote {
     bytes: usize,
     buffer: u64,
     device: Device,
     stream: Option<u64>,
-    frees: u64,
 }
 
 impl ViewNote {
     #[cold]
     #[inline(never)]
-    fn of(view: &Block, st: &Counters) -> ViewNote {
+    fn of(view: &Block) -> ViewNote {
         ViewNote {
             bytes: view.bytes(),
             buffer: view.id(),
             device: view.device(),
             stream: view.stream_id(),
-            frees: st.device_frees.load(Relaxed),
         }
     }
 }
@@ -771,6 +768,7 @@ impl CacheState {
 
     /// Takes back a block whose last array dropped: a solo block whose array outlived its step
     /// becomes a spare (within the byte cap) if it is of this generation; anything else is freed.
+    /// Returns whether it was freed.
     pub(super) fn take_back(
         &mut self,
         st: &Counters,
@@ -778,7 +776,7 @@ impl CacheState {
         generation: u32,
         solo: bool,
         escaped: bool,
-    ) {
+    ) -> bool {
         self.live -= 1;
         let keep = solo && escaped && generation == self.generation && self.config.key.is_planned();
         match self.arenas.index(block.device()) {
@@ -788,8 +786,12 @@ impl CacheState {
                 let step = a.step;
                 a.spares.push(Spare { block, step });
                 self.evict_spares(st, self.config.max_cached_bytes);
+                false
             }
-            _ => self.free_arena_block(st, block),
+            _ => {
+                self.free_arena_block(st, block);
+                true
+            }
         }
     }
 
@@ -825,7 +827,7 @@ impl CacheState {
 
     /// Takes back a view on the owner thread (lock holder): records when it dropped, frees its
     /// position (unless it was used on another stream: then `tainted`), and takes back a
-    /// retired block whose last view it was.
+    /// retired block whose last view it was. Returns whether that block went back to the device.
     #[inline(always)]
     fn drop_view(
         &mut self,
@@ -834,7 +836,7 @@ impl CacheState {
         home: &Home,
         view: Block,
         tainted: bool,
-    ) {
+    ) -> bool {
         // SAFETY: a view of the block was alive until now, so the block is.
         let counts = unsafe { arena.as_ref() };
         let bytes = view.bytes();
@@ -903,7 +905,7 @@ impl CacheState {
                 if a.diverged {
                     self.live += usize::from(a.release_unused_block(st));
                 }
-                return;
+                return false;
             }
         }
         if let Some(view) = view.take() {
@@ -914,8 +916,9 @@ impl CacheState {
             let (generation, solo) = (counts.generation, counts.solo);
             // SAFETY: the last view is gone; nothing else points at a retired block.
             let block = unsafe { ArenaBlock::into_block(arena) };
-            self.take_back(st, block, generation, solo, escaped);
+            return self.take_back(st, block, generation, solo, escaped);
         }
+        false
     }
 
     /// Records a hit or a miss (`kind`) that made `view`.
@@ -978,17 +981,6 @@ impl CacheCell {
         let state = unsafe { self.locked() };
         let (view, slot, step) = state.plan_hit(&self.stats, req)?;
         Some((view, self.home(slot, step)))
-    }
-
-    /// Records the drop of a planned array on the owner thread as back to the cache, unless its
-    /// block went back to the device meanwhile (recorded as such instead, as a free list
-    /// records a stale buffer).
-    #[cold]
-    #[inline(never)]
-    fn note_view_kept(&self, n: ViewNote) {
-        if self.stats.device_frees.load(Relaxed) == n.frees {
-            self.note_view_dropped(EventKind::FreeToCache, n);
-        }
     }
 
     /// Records the drop of a planned array (`kind`: on the owner thread, back to its cache,
@@ -1133,19 +1125,25 @@ impl CacheCell {
         // SAFETY: the block is alive while it is the plan's or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };
-        let noted = record::on().then(|| ViewNote::of(&view, &cell.stats));
+        let noted = record::on().then(|| ViewNote::of(&view));
         if std::ptr::eq(current, cell) && !cell.is_closed() {
             // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
             // is the owner thread, inside a scope of the cell.
             let state = unsafe { cell.locked() };
-            state.drop_view(&cell.stats, arena, &home, view, tainted);
-            if let Some(n) = noted {
-                cell.note_view_kept(n);
+            let freed = state.drop_view(&cell.stats, arena, &home, view, tainted);
+            // A block that went back to the device was recorded as such instead, as a free
+            // list records a stale buffer.
+            if let Some(n) = noted
+                && !freed
+            {
+                cell.note_view_dropped(EventKind::FreeToCache, n);
             }
         } else if cell.is_owned_here() && !cell.is_closed() {
-            cell.owned(|state, st| state.drop_view(st, arena, &home, view, tainted));
-            if let Some(n) = noted {
-                cell.note_view_kept(n);
+            let freed = cell.owned(|state, st| state.drop_view(st, arena, &home, view, tainted));
+            if let Some(n) = noted
+                && !freed
+            {
+                cell.note_view_dropped(EventKind::FreeToCache, n);
             }
         } else {
             if let Some(n) = noted {

@@ -83,6 +83,19 @@ fn fill(stream: &CudaStream, y: &mut Array<f32>, v: f32) -> TestResult {
     Ok(())
 }
 
+/// `y[i] = a * x[i] + b` for the first `x.len()` elements, on `stream` (`y` holds at least as
+/// many).
+fn affine(stream: &CudaStream, y: &mut Array<f32>, x: &Array<f32>, a: f32, b: f32) -> TestResult {
+    assert!(y.len() >= x.len());
+    let (n, config) = (x.len() as u32, cfg(x.len()));
+    let mut launch = stream.launch_builder(&kernels(x.device()).affine);
+    launch.arg(&mut *y).arg(x).arg(&a).arg(&b).arg(&n);
+    // SAFETY: `affine` takes (float*, const float*, float, float, unsigned) and touches the first
+    // `n` elements of y and x, which both hold.
+    unsafe { launch.launch(config) }?;
+    Ok(())
+}
+
 /// The device address of an array's buffer.
 fn addr(a: &Array<f32>) -> u64 {
     let stream = Arc::clone(DeviceSlice::stream(a));
@@ -142,11 +155,7 @@ fn kernels_write_cached_arrays_and_values_round_trip(dev: Device) -> TestResult 
         let _scope = enter("cuda-roundtrip");
         let x = Array::from_slice(dev, &host, [100, 100])?;
         let mut y = Array::<f32>::empty(dev, [100, 100])?;
-        let (a, b, len) = (2.0f32, step as f32, n as u32);
-        let mut launch = stream.launch_builder(&kernels(dev).affine);
-        launch.arg(&mut y).arg(&x).arg(&a).arg(&b).arg(&len);
-        // SAFETY: `affine` takes (float*, const float*, float, float, unsigned), n elements.
-        unsafe { launch.launch(cfg(n)) }?;
+        affine(&stream, &mut y, &x, 2.0, step as f32)?;
         let want: Vec<f32> = host.iter().map(|v| 2.0 * v + step as f32).collect();
         assert_eq!(y.to_vec()?, want, "step {step}");
         assert_eq!(x.to_vec()?, host);
@@ -578,11 +587,7 @@ fn immediate_reuse_is_stream_ordered(dev: Device) -> TestResult {
         fill(&stream, &mut t, i as f32)?;
         let t2 = {
             let mut t2 = Array::<f32>::empty(dev, n)?;
-            let (a, b, len) = (1.0f32, 0.5f32, n as u32);
-            let mut launch = stream.launch_builder(&kernels(dev).affine);
-            launch.arg(&mut t2).arg(&t).arg(&a).arg(&b).arg(&len);
-            // SAFETY: as in the round-trip test.
-            unsafe { launch.launch(cfg(n)) }?;
+            affine(&stream, &mut t2, &t, 1.0, 0.5)?;
             t2
         };
         drop(t); // recycled at once, for the next iteration's `t`
@@ -623,17 +628,7 @@ fn arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone(dev: Device) 
         let mut x = Array::<f32>::empty(dev, n)?;
         fill(&stream, &mut x, v)?;
         let mut y = Array::<f32>::empty(dev, [n, 2])?;
-        let (len, config) = (n as u32, cfg(n));
-        let mut launch = stream.launch_builder(&kernels(dev).affine);
-        launch
-            .arg(&mut y)
-            .arg(&x)
-            .arg(&2.0f32)
-            .arg(&1.0f32)
-            .arg(&len);
-        // SAFETY: `affine` takes (float*, const float*, float, float, unsigned) and touches the
-        // first `n` elements of y and x.
-        unsafe { launch.launch(config) }?;
+        affine(&stream, &mut y, &x, 2.0, 1.0)?;
         let got = y.to_vec()?;
         assert!(
             got[..n].iter().all(|&e| e == 2.0 * v + 1.0),
@@ -740,17 +735,7 @@ fn a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes(dev: Device) ->
         // x stays alive over y's planned bytes: y comes from the block's free bytes.
         let x = Array::from_slice(dev, &host, n)?;
         let mut y = Array::<f32>::empty(dev, n)?;
-        let (len, config) = (n as u32, cfg(n));
-        let mut launch = stream.launch_builder(&kernels(dev).affine);
-        launch
-            .arg(&mut y)
-            .arg(&x)
-            .arg(&2.0f32)
-            .arg(&1.0f32)
-            .arg(&len);
-        // SAFETY: `affine` takes (float*, const float*, float, float, unsigned) and touches the
-        // first `n` elements of y and x.
-        unsafe { launch.launch(config) }?;
+        affine(&stream, &mut y, &x, 2.0, 1.0)?;
         let want: Vec<f32> = host.iter().map(|&v| 2.0 * v + 1.0).collect();
         assert_eq!(
             y.to_vec()?,

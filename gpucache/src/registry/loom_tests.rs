@@ -67,6 +67,26 @@ fn check_exited(cell: Weak<CacheCell>, counting: &CountingBackend, arrays: u64) 
     stats
 }
 
+/// The owner thread exits while another thread drops an array that escaped its cache's scope and
+/// a third runs `third` on the cells it lists from the owner's entry (before or after the exit
+/// unlists them). Returns what `third` returned and the exited row's counters, checked
+/// ([`check_exited`]).
+fn exit_while<R: Send + 'static>(
+    third: impl FnOnce(Vec<Arc<CacheCell>>) -> R + Send + 'static,
+) -> (R, CacheStats) {
+    let (counting, backend) = backend();
+    let (entry, cell) = owner();
+    let weak = Arc::downgrade(&cell);
+    let array = allocate(&cell, &backend, 1).pop().unwrap();
+    let dropper = thread::spawn(move || array.drop_elsewhere());
+    let listed = Arc::clone(&entry);
+    let other = thread::spawn(move || third(listed.listed()));
+    exit_thread(&entry, std::iter::once(cell));
+    dropper.join().unwrap();
+    let r = other.join().unwrap();
+    (r, check_exited(weak, &counting, 1))
+}
+
 /// The owner thread exits while another thread drops two arrays that escaped its cache's scope
 /// (a third was dropped on the owner before, and waits in a free list): each drop finds the cell
 /// open (the buffer is queued, and the close frees it) or closed (the drop frees it and counts
@@ -100,22 +120,12 @@ fn loom_exit_with_arrays_alive_elsewhere() {
 #[test]
 fn loom_exit_while_invalidated() {
     model("exit_while_invalidated", || {
-        let (counting, backend) = backend();
-        let (entry, cell) = owner();
-        let weak = Arc::downgrade(&cell);
-        let array = allocate(&cell, &backend, 1).pop().unwrap();
-        let dropper = thread::spawn(move || array.drop_elsewhere());
-        let listed = Arc::clone(&entry);
-        let invalidator = thread::spawn(move || {
-            let cells = listed.listed();
+        let ((found, seen), row) = exit_while(|cells| {
             invalidate_in(cells.clone(), "loom");
             let seen = cells.first().map(|c| c.snapshot().invalidations);
             (cells.len() as u64, seen.unwrap_or(0))
         });
-        exit_thread(&entry, std::iter::once(cell));
-        dropper.join().unwrap();
-        let (found, seen) = invalidator.join().unwrap();
-        let counted = check_exited(weak, &counting, 1).invalidations;
+        let counted = row.invalidations;
         assert!(
             seen <= counted && counted <= found,
             "the exited row counts {counted} invalidations; the cell counted {seen} after the \
@@ -129,16 +139,7 @@ fn loom_exit_while_invalidated() {
 #[test]
 fn loom_exit_while_emptied() {
     model("exit_while_emptied", || {
-        let (counting, backend) = backend();
-        let (entry, cell) = owner();
-        let weak = Arc::downgrade(&cell);
-        let array = allocate(&cell, &backend, 1).pop().unwrap();
-        let dropper = thread::spawn(move || array.drop_elsewhere());
-        let listed = Arc::clone(&entry);
-        let emptier = thread::spawn(move || give_back_in(listed.listed(), None, false));
-        exit_thread(&entry, std::iter::once(cell));
-        dropper.join().unwrap();
-        emptier.join().unwrap();
-        assert_eq!(check_exited(weak, &counting, 1).invalidations, 0);
+        let ((), row) = exit_while(|cells| give_back_in(cells, None, false));
+        assert_eq!(row.invalidations, 0);
     });
 }

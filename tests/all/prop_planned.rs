@@ -35,16 +35,14 @@
 //! sets the number of programs of each test (default [`DEFAULT_CASES`]). Failures are not
 //! persisted: a failing program is printed shrunk, one operation a line, with its seed.
 
-use crate::programs::{NAMES, Name, name};
+use crate::programs::{Helper, NAMES, Name, Program, SHAPES, cases, name, run_on_fresh_threads};
 
-use std::fmt;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread;
 
 use common::pattern::{AnyArray, Dt, Init, first_overlap};
 use common::serial;
-use gpucache::testing::{CountingBackend, use_backend};
+use gpucache::testing::CountingBackend;
 use gpucache::{CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
 use gpucache_suite::common;
 use proptest::prelude::*;
@@ -52,23 +50,6 @@ use proptest::sample::select;
 
 /// Programs per test when `PROPTEST_CASES` is not set.
 const DEFAULT_CASES: u32 = 64;
-
-/// The shapes a program allocates: scalars, zero-size, and sizes over several 256-byte units
-/// (the alignment of a plan's offsets).
-const SHAPES: &[&[usize]] = &[
-    &[],
-    &[0],
-    &[1],
-    &[3, 0, 2],
-    &[7],
-    &[4, 4],
-    &[2, 3, 4],
-    &[100],
-    &[33, 7],
-    &[300],
-    &[16, 64],
-    &[1000],
-];
 
 /// Types and shapes that most allocations use, so that steps repeat often.
 const COMMON: &[(Dt, &[usize])] = &[
@@ -136,7 +117,7 @@ enum Op {
     Stats(Name),
 }
 
-/// [`crate::programs::array_type`] over this file's shapes.
+/// [`crate::programs::array_type`] over [`SHAPES`].
 fn array_type() -> impl Strategy<Value = (Dt, &'static [usize])> {
     crate::programs::array_type(COMMON, SHAPES)
 }
@@ -198,21 +179,7 @@ fn loop_of(inner: impl Strategy<Value = Op>) -> impl Strategy<Value = Op> {
 }
 
 /// A program: simple operations and loops of them, nested up to two deep.
-#[derive(Clone)]
-struct Program(Vec<Op>);
-
-/// One operation a line, so that a shrunk program reads at a glance.
-impl fmt::Debug for Program {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "[")?;
-        for op in &self.0 {
-            writeln!(f, "    {op:?},")?;
-        }
-        write!(f, "]")
-    }
-}
-
-fn program(len: std::ops::Range<usize>) -> impl Strategy<Value = Program> {
+fn program(len: std::ops::Range<usize>) -> impl Strategy<Value = Program<Op>> {
     let op = simple_op().prop_recursive(
         2,
         48,
@@ -340,12 +307,8 @@ fn flatten(ops: &[StepOp], open: &mut Vec<Name>, stepped: &mut Vec<Name>, out: &
 
 /// Each test's number of programs.
 fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-        .unwrap_or(DEFAULT_CASES);
     ProptestConfig {
-        cases: cases.max(1),
+        cases: cases(DEFAULT_CASES).max(1),
         failure_persistence: None,
         ..ProptestConfig::default()
     }
@@ -562,36 +525,11 @@ fn repeat_step(world: &mut World, scope: Name, step: &[StepOp], returns: bool) {
 /// with a fresh counting backend and a helper thread that drops the arrays sent to it, then
 /// cleans up: every byte must come back.
 fn run(program: impl FnOnce(&mut World) + Send) {
-    let backend = CountingBackend::new();
-    thread::scope(|s| {
-        let (to_helper, arrays) = channel::<(AnyArray, u64)>();
-        let (acks, from_helper) = channel::<bool>();
-        let backend = &backend;
-        s.spawn(move || {
-            let _installed = use_backend(backend);
-            for (array, id) in arrays {
-                let intact = array.holds(id);
-                drop(array);
-                if acks.send(intact).is_err() {
-                    break;
-                }
-            }
-        });
-        let main = thread::Builder::new()
-            .name("planned-program".into())
-            .spawn_scoped(s, move || {
-                let _installed = use_backend(backend);
-                let mut world = World::new(Arc::clone(backend), to_helper, from_helper);
-                program(&mut world);
-                world.clean_up();
-            })
-            .expect("spawn");
-        // Hand a failure to proptest as it was.
-        main.join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    run_on_fresh_threads("planned-program", |backend, helper| {
+        let mut world = World::new(backend, helper);
+        program(&mut world);
+        world.clean_up();
     });
-    assert_eq!(backend.outstanding_bytes(), 0, "{backend:?}");
-    assert_eq!(backend.allocs(), backend.frees(), "{backend:?}");
 }
 
 struct LiveArray {
@@ -617,16 +555,11 @@ struct World {
     outside_bytes: usize,
     outside_allocs: u64,
     outside_frees: u64,
-    to_helper: Sender<(AnyArray, u64)>,
-    from_helper: Receiver<bool>,
+    helper: Helper,
 }
 
 impl World {
-    fn new(
-        backend: Arc<CountingBackend>,
-        to_helper: Sender<(AnyArray, u64)>,
-        from_helper: Receiver<bool>,
-    ) -> World {
+    fn new(backend: Arc<CountingBackend>, helper: Helper) -> World {
         let names = NAMES.map(|n| format!("planned/{n:?}"));
         // Options are kept by name for the whole process: start each program planned.
         for name in &names {
@@ -649,8 +582,7 @@ impl World {
             outside_bytes: 0,
             outside_allocs: 0,
             outside_frees: 0,
-            to_helper,
-            from_helper,
+            helper,
         }
     }
 
@@ -778,15 +710,7 @@ impl World {
             self.outside_frees += 1;
         }
         if on_helper {
-            self.to_helper
-                .send((live.array, live.id))
-                .expect("helper alive");
-            let intact = self.from_helper.recv().expect("helper alive");
-            assert!(
-                intact,
-                "array {} lost its pattern before it was sent",
-                live.id
-            );
+            self.helper.drop_array(live.array, live.id);
         } else {
             drop(live.array);
         }

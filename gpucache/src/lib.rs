@@ -317,7 +317,10 @@
 //! hot paths already test); the [`trace`] module has the details and the cost per event.
 //! In a planned cache ([`KeyPolicy::Planned`]) an array served from the plan or a spare is
 //! recorded as a hit and one that needed a new block as a miss, each with the array's bytes and
-//! address (and no key); the drop of a planned array is no event of its own.
+//! address (and no key), the plan's block when it is allocated as
+//! [`EventKind::PlanBlock`](trace::EventKind::PlanBlock), a drop as back to the cache (or
+//! returned, from another thread), and a block given back to the device as a device free, so a
+//! trace of planned caches replays.
 //!
 //! With the `tracing` feature, misses, evictions and invalidations are also `tracing` debug
 //! events and out-of-memory a warning (hits never are).

@@ -411,7 +411,8 @@ pub fn stats(name: &str) -> CacheStats {
     find(name).map(|c| c.stats_owned()).unwrap_or_default()
 }
 
-/// Restarts `peak_bytes` of cache `name`, on every thread, from the bytes each holds now.
+/// Restarts `peak_bytes` of cache `name`, on every thread, from the bytes each holds now. The
+/// cache of a thread that exits while the call runs keeps the peak its exit recorded.
 ///
 /// ```
 /// use gpucache::{Array, Device};

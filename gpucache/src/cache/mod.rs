@@ -601,9 +601,15 @@ impl CacheCell {
         self.owned(|state, _| (state.config, state.generation))
     }
 
-    /// Restarts the peak from the bytes held now (any thread).
+    /// Restarts the peak from the bytes held now (any thread), unless the cache is closed: its
+    /// exited thread's row may hold its final counters already, and a call that reaches a
+    /// closed cache reaches no cache (as requests do, see [`CacheCell::serve_requests`]). Under
+    /// the remote side's mutex, which the close holds when it marks the cache closed.
     pub(crate) fn reset_peak(&self) {
-        self.stats.reset_peak();
+        let remote = self.remote.state.lock();
+        if !remote.closed {
+            self.stats.reset_peak();
+        }
     }
 
     /// The counters after taking in buffers returned by other threads (owner thread).
@@ -680,5 +686,28 @@ fn send_home(home: Home, block: Block, current: *const CacheCell) {
         cell.owned(|state, st| state.put_back(st, active, home.slot, home.generation, block));
     } else {
         send_home_remote(home, block);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Found while model-checking a thread's exit: a `reset_peak` that listed the cache before
+    /// its owner exited must not change the counters of the closed cache, which its exited
+    /// row may have read as final.
+    #[test]
+    fn reset_peak_leaves_a_closed_cache_alone() {
+        let cell = Arc::new(CacheCell::new("closed", "owner", (0, CacheConfig::default())));
+        let g = cell.stats.gauge_for(Device::Cpu).expect("a gauge");
+        cell.stats.allocated(g, 4096);
+        cell.stats.freed(g, 4096);
+        cell.reset_peak();
+        assert_eq!(cell.snapshot().peak_bytes, 0, "an open cache's peak restarts");
+        cell.stats.allocated(g, 4096);
+        cell.stats.freed(g, 4096);
+        cell.close();
+        cell.reset_peak();
+        assert_eq!(cell.snapshot().peak_bytes, 4096, "the closed cache's peak stays");
     }
 }

@@ -698,16 +698,28 @@ mod tests {
     /// row may have read as final.
     #[test]
     fn reset_peak_leaves_a_closed_cache_alone() {
-        let cell = Arc::new(CacheCell::new("closed", "owner", (0, CacheConfig::default())));
+        let cell = Arc::new(CacheCell::new(
+            "closed",
+            "owner",
+            (0, CacheConfig::default()),
+        ));
         let g = cell.stats.gauge_for(Device::Cpu).expect("a gauge");
         cell.stats.allocated(g, 4096);
         cell.stats.freed(g, 4096);
         cell.reset_peak();
-        assert_eq!(cell.snapshot().peak_bytes, 0, "an open cache's peak restarts");
+        assert_eq!(
+            cell.snapshot().peak_bytes,
+            0,
+            "an open cache's peak restarts"
+        );
         cell.stats.allocated(g, 4096);
         cell.stats.freed(g, 4096);
         cell.close();
         cell.reset_peak();
-        assert_eq!(cell.snapshot().peak_bytes, 4096, "the closed cache's peak stays");
+        assert_eq!(
+            cell.snapshot().peak_bytes,
+            4096,
+            "the closed cache's peak stays"
+        );
     }
 }

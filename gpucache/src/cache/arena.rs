@@ -217,25 +217,39 @@ impl Plan {
     }
 }
 
-/// What a recorded event says of a planned array that dropped.
+/// What a recorded event says of a buffer (a view or a block): its bytes, address, device and
+/// stream.
 #[derive(Clone, Copy)]
-struct ViewNote {
+struct BufferNote {
     bytes: usize,
     buffer: u64,
     device: Device,
     stream: Option<u64>,
 }
 
-impl ViewNote {
+impl BufferNote {
     #[cold]
     #[inline(never)]
-    fn of(view: &Block) -> ViewNote {
-        ViewNote {
-            bytes: view.bytes(),
-            buffer: view.id(),
-            device: view.device(),
-            stream: view.stream_id(),
+    fn of(buffer: &Block) -> BufferNote {
+        BufferNote {
+            bytes: buffer.bytes(),
+            buffer: buffer.id(),
+            device: buffer.device(),
+            stream: buffer.stream_id(),
         }
+    }
+
+    /// Records `kind` about the buffer, for the cache numbered `cell`, with the cache's bytes on
+    /// the device after it (if known).
+    fn push(self, kind: EventKind, cell: u32, bytes_after: Option<(usize, usize)>) {
+        record::push(Note {
+            bytes: self.bytes,
+            buffer: Some(self.buffer),
+            device: Some(self.device),
+            stream: self.stream,
+            bytes_after,
+            ..Note::about(kind, Some(cell))
+        });
     }
 }
 
@@ -270,14 +284,8 @@ fn uncached(st: &Counters, g: GaugeIx, bytes: usize) {
 #[cold]
 #[inline(never)]
 fn note_block(st: &Counters, g: GaugeIx, trace: &CellName, kind: EventKind, block: &Block) {
-    record::push(Note {
-        bytes: block.bytes(),
-        buffer: Some(block.id()),
-        device: Some(block.device()),
-        stream: block.stream_id(),
-        bytes_after: Some(super::traced::gauge_bytes(st, g)),
-        ..Note::about(kind, Some(trace.id()))
-    });
+    let after = super::traced::gauge_bytes(st, g);
+    BufferNote::of(block).push(kind, trace.id(), Some(after));
 }
 
 /// Gives `block`, of gauge `g` of the cache named `trace`, back to the device (recorded).
@@ -925,16 +933,13 @@ impl CacheState {
     #[cold]
     #[inline(never)]
     fn note_view(&self, st: &Counters, kind: EventKind, view: &Block) {
-        let device = view.device();
-        let gauge = st.find_gauge(device);
-        record::push(Note {
-            bytes: view.bytes(),
-            buffer: Some(view.id()),
-            device: Some(device),
-            stream: backend::current_stream_id(device),
-            bytes_after: gauge.map(|g| super::traced::gauge_bytes(st, g)),
-            ..Note::about(kind, Some(self.trace.id()))
-        });
+        let note = BufferNote::of(view);
+        let after = st
+            .find_gauge(note.device)
+            .map(|g| super::traced::gauge_bytes(st, g));
+        // On the thread's current stream, where the array goes.
+        let stream = backend::current_stream_id(note.device);
+        BufferNote { stream, ..note }.push(kind, self.trace.id(), after);
     }
 }
 
@@ -987,18 +992,12 @@ impl CacheCell {
     /// with the cache's bytes on the device after it; else returned from another thread, as a
     /// free list records it, with no bytes: the owner's counts are not final until it takes
     /// the block back).
-    fn note_view_dropped(&self, kind: EventKind, n: ViewNote) {
-        let gauge = (kind == EventKind::FreeToCache)
+    fn note_view_dropped(&self, kind: EventKind, n: BufferNote) {
+        let after = (kind == EventKind::FreeToCache)
             .then(|| self.stats.find_gauge(n.device))
-            .flatten();
-        record::push(Note {
-            bytes: n.bytes,
-            buffer: Some(n.buffer),
-            device: Some(n.device),
-            stream: n.stream,
-            bytes_after: gauge.map(|g| super::traced::gauge_bytes(&self.stats, g)),
-            ..Note::about(kind, Some(self.trace_id()))
-        });
+            .flatten()
+            .map(|g| super::traced::gauge_bytes(&self.stats, g));
+        n.push(kind, self.trace_id(), after);
     }
 
     /// [`CacheCell::take`] of a cache with the [`ARENA`] flag: for a planned cache the whole
@@ -1125,26 +1124,15 @@ impl CacheCell {
         // SAFETY: the block is alive while it is the plan's or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };
-        let noted = record::on().then(|| ViewNote::of(&view));
-        if std::ptr::eq(current, cell) && !cell.is_closed() {
+        let noted = record::on().then(|| BufferNote::of(&view));
+        // On the owner thread: whether the view's block went back to the device.
+        let freed = if std::ptr::eq(current, cell) && !cell.is_closed() {
             // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
             // is the owner thread, inside a scope of the cell.
             let state = unsafe { cell.locked() };
-            let freed = state.drop_view(&cell.stats, arena, &home, view, tainted);
-            // A block that went back to the device was recorded as such instead, as a free
-            // list records a stale buffer.
-            if let Some(n) = noted
-                && !freed
-            {
-                cell.note_view_dropped(EventKind::FreeToCache, n);
-            }
+            state.drop_view(&cell.stats, arena, &home, view, tainted)
         } else if cell.is_owned_here() && !cell.is_closed() {
-            let freed = cell.owned(|state, st| state.drop_view(st, arena, &home, view, tainted));
-            if let Some(n) = noted
-                && !freed
-            {
-                cell.note_view_dropped(EventKind::FreeToCache, n);
-            }
+            cell.owned(|state, st| state.drop_view(st, arena, &home, view, tainted))
         } else {
             if let Some(n) = noted {
                 // Before the count: once it is down, the cell may go.
@@ -1168,6 +1156,14 @@ impl CacheCell {
                 let block = unsafe { ArenaBlock::into_block(arena) };
                 super::remote::send_home_remote(home, block);
             }
+            return;
+        };
+        // A block that went back to the device was recorded as such instead, as a free list
+        // records a stale buffer.
+        if let Some(n) = noted
+            && !freed
+        {
+            cell.note_view_dropped(EventKind::FreeToCache, n);
         }
     }
 }

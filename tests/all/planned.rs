@@ -212,6 +212,128 @@ fn a_step_that_leaves_its_plan_without_growing_is_served_from_the_plans_free_byt
     assert_eq!(backend.outstanding_bytes(), 64 * 64 * 4);
 }
 
+/// A step of `sizes` bytes, each array dropped before the next is made (a step whose arrays
+/// all take the same bytes when planned), each filled and checked. Returns their addresses.
+fn sequence(name: &str, sizes: &[usize]) -> Vec<usize> {
+    let _scope = gpucache::enter(name);
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let a = filled(DEV, i as u8, n);
+            assert!(common::all_eq(&a, i as u8));
+            addr(&a)
+        })
+        .collect()
+}
+
+#[test]
+fn a_smaller_step_in_another_order_is_served_from_the_plans_block() {
+    let _serial = serial();
+    let name = "planned-order";
+    let (backend, _installed) = planned(name, None);
+    let recorded = [4096, 65536, 4096, 65536];
+    sequence(name, &recorded);
+    let planned = sequence(name, &recorded);
+    let allocs = backend.allocs();
+    // An extra array at the second position: the third allocation is matched with a position
+    // smaller than it, but the step asks for fewer bytes than the plan holds so far, so it has
+    // not outgrown the block and is served from its free bytes.
+    let other = sequence(name, &[2048, 256, 32768, 2048, 32768]);
+    assert_eq!(backend.allocs(), allocs, "no device allocation");
+    let block = planned[1]..planned[1] + 65536;
+    assert!(
+        other.iter().all(|a| block.contains(a)),
+        "{other:x?} in {block:x?}"
+    );
+    // The recorded order again: its plan still fits it.
+    sequence(name, &recorded);
+    sequence(name, &recorded);
+    assert_eq!(backend.allocs(), allocs);
+    assert_eq!(backend.outstanding_bytes(), 65536);
+}
+
+/// A decoding step after `len` tokens: `kv` (outlives the step, replacing the last one), then
+/// `a`, `scores` (one byte more every token, like attention over the tokens so far) and `c`,
+/// alive together. Returns the addresses of a, scores and c.
+fn decode(name: &str, kv: &mut Array<u8>, len: usize) -> [usize; 3] {
+    let _scope = gpucache::enter(name);
+    *kv = filled(DEV, 1u8, 4096 + len);
+    let a = filled(DEV, 2u8, 65536);
+    let scores = filled(DEV, 3u8, 8192 + len);
+    let c = filled(DEV, 4u8, 65536);
+    assert!(common::all_eq(&a, 2) && common::all_eq(&scores, 3) && common::all_eq(&c, 4));
+    assert!(common::all_eq(kv, 1));
+    [addr(&a), addr(&scores), addr(&c)]
+}
+
+#[test]
+fn a_position_growing_a_little_every_step_is_planned_with_room_to_grow() {
+    let _serial = serial();
+    let name = "planned-grow";
+    let (backend, _installed) = planned(name, None);
+    let mut kv = filled(DEV, 0u8, 1);
+    decode(name, &mut kv, 0);
+    decode(name, &mut kv, 256);
+    // Planned again from the step that grew, with room to grow: the next steps fit.
+    let planned = decode(name, &mut kv, 512);
+    let allocs = backend.allocs();
+    for len in [600, 700, 800] {
+        assert_eq!(decode(name, &mut kv, len), planned);
+    }
+    assert_eq!(backend.allocs(), allocs, "within the room, on the plan");
+    // Past the room: the scores alone go apart, the others stay at their offsets.
+    let grown = decode(name, &mut kv, 4096);
+    assert_eq!([grown[0], grown[2]], [planned[0], planned[2]]);
+    assert_ne!(grown[1], planned[1]);
+}
+
+/// A prompt step (its first array large, five arrays) or a decoding step (its first array small,
+/// three arrays, and one of them more bytes than the prompt's at its position), each array
+/// dropped before the next. Returns their addresses.
+fn serve(name: &str, prompt: bool) -> Vec<usize> {
+    if prompt {
+        sequence(name, &[65536, 32768, 65536, 4096, 16384])
+    } else {
+        sequence(name, &[256, 1024, 8192])
+    }
+}
+
+#[test]
+fn prompt_and_decoding_steps_alternating_in_one_scope_keep_a_plan_each() {
+    let _serial = serial();
+    let name = "planned-serve";
+    let (backend, _installed) = planned(name, None);
+    let mut first = None;
+    for round in 0..4 {
+        let prompt = serve(name, true);
+        let decoding: Vec<_> = (0..3).map(|_| serve(name, false)).collect();
+        assert_eq!(
+            decoding[1], decoding[2],
+            "round {round}: decoding follows its plan"
+        );
+        if round == 1 {
+            first = Some((backend.allocs(), prompt, decoding[2].clone()));
+        } else if let Some((allocs, p, d)) = &first {
+            assert_eq!(
+                backend.allocs(),
+                *allocs,
+                "round {round}: no device allocation"
+            );
+            assert_eq!(
+                (&prompt, &decoding[0]),
+                (p, d),
+                "round {round}: each on its plan"
+            );
+        }
+    }
+    assert_eq!(
+        backend.outstanding_bytes(),
+        65536,
+        "one block serves both plans"
+    );
+}
+
 /// A step that returns an array (it escapes), after a scratch array that dies in the step.
 fn escaping(name: &str, value: u8) -> Array<u8> {
     let _scope = gpucache::enter(name);

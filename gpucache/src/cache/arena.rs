@@ -94,13 +94,16 @@ use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
 };
-use device::{Awaiting, DeviceArena, Plan, Spare};
+use device::{Awaiting, DeviceArena, Plan, Shelved, Spare};
 use gaps::Gaps;
 use layout::{Layout, NONE, OPEN, Rec, Serve};
 
 /// The most positions a step records; allocations past them are served apart, and the step is
 /// not planned (a scope that never exits must not grow its record without bound).
 const MAX_POSITIONS: u32 = 1 << 20;
+
+/// The most plans of other kinds of step a device keeps besides its current one.
+const MAX_SHELVED: usize = 3;
 
 impl Plan {
     fn new(layout: Layout, block: Option<BlockPtr>) -> Plan {
@@ -114,6 +117,13 @@ impl Plan {
             gaps: None,
             views,
         }
+    }
+
+    /// The size of the plan's block (0 before it is made).
+    fn block_bytes(&self) -> usize {
+        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+        self.block
+            .map_or(0, |b| unsafe { b.as_ref() }.block.bytes())
     }
 
     /// Takes the block out of the plan, with the bytes its arrays use, after dropping the views
@@ -320,7 +330,10 @@ impl DeviceArena {
             diverged: false,
             replan: false,
             overflowed: false,
+            grown: 0,
+            outgrew: false,
             plan: None,
+            shelf: Vec::new(),
             spares: Vec::new(),
             awaiting: None,
         }
@@ -346,6 +359,90 @@ impl DeviceArena {
         let block = self.spares.swap_remove(i).block;
         uncached(st, self.gauge, block.bytes());
         Some(block)
+    }
+
+    /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
+    /// least recently used shelved plan goes when the shelf is full).
+    fn shelve(&mut self, layout: Layout) {
+        if self.shelf.len() >= MAX_SHELVED
+            && let Some(i) = (0..self.shelf.len()).min_by_key(|&i| self.shelf[i].used)
+        {
+            self.shelf.swap_remove(i);
+        }
+        let used = self.step;
+        self.shelf.push(Shelved { layout, used });
+    }
+
+    /// The first allocation of a step, of `size` aligned bytes, picks the plan to follow: of
+    /// the current plan and the shelved ones, the one whose first position fits it most
+    /// tightly (else the one whose first position is largest), the current plan on a tie. A
+    /// shelved plan is switched in only when no array uses the block, which the layouts share:
+    /// a layout knows only its own arrays. Returns whether the block was retired (never).
+    fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
+        // Fitting first, then the tightest; else the largest.
+        let rank = |first: usize| {
+            if size <= first {
+                (false, first)
+            } else {
+                (true, usize::MAX - first)
+            }
+        };
+        let mut best = rank(plan.layout.first_size());
+        let mut pick = None;
+        for (i, s) in self.shelf.iter().enumerate() {
+            let r = rank(s.layout.first_size());
+            if r < best {
+                (best, pick) = (r, Some(i));
+            }
+        }
+        let Some(i) = pick else {
+            return false;
+        };
+        let in_use = |b: BlockPtr| {
+            // SAFETY: a plan's block is the cache's until detached.
+            unsafe { b.as_ref() }.views() != 0
+        };
+        if plan.block.is_some_and(in_use) {
+            return false;
+        }
+        let block = plan.take_block();
+        let shelved = &mut self.shelf[i];
+        std::mem::swap(&mut plan.layout, &mut shelved.layout);
+        shelved.used = self.step;
+        // No array uses the block: none of the layout's positions is taken (it may still
+        // count some dropped on other threads, or on a block since replaced).
+        plan.layout.clear_live();
+        plan.views = std::iter::repeat_with(|| None)
+            .take(plan.layout.len())
+            .collect();
+        let Some((b, in_use)) = block else {
+            return false;
+        };
+        // SAFETY: a plan's block is the cache's until detached.
+        if unsafe { b.as_ref() }.block.bytes() >= plan.layout.footprint {
+            plan.block = Some(b);
+            plan.in_use = in_use;
+            return false;
+        }
+        self.detach(st, b, in_use)
+    }
+
+    /// Whether position `pos`, which `size` aligned bytes outgrow, is served apart on its own
+    /// while the step stays on its plan: it is placed and free, and the bytes grown so far this
+    /// step stay within an eighth of the plan's footprint (a step that grows everywhere, a
+    /// longer sequence, goes apart as a whole, and its plan's block back to the device). A few
+    /// positions growing a little every step (a decoder's attention over the tokens so far)
+    /// then leave the plan's other positions on it.
+    fn grows_in_place(&self, pos: u32, size: usize) -> bool {
+        let Some(plan) = &self.plan else {
+            return false;
+        };
+        let l = &plan.layout;
+        let planned = l.range(pos).len();
+        planned > 0 && size > planned && !l.is_live(pos) && self.grown + size <= l.footprint / 8
     }
 
     /// Takes the plan's block out of the plan: freed if no array uses it, else retired (then
@@ -402,6 +499,7 @@ impl DeviceArena {
 
     /// Drops the plan (its block detached). Returns whether the block was retired.
     fn drop_plan(&mut self, st: &Counters) -> bool {
+        self.shelf.clear();
         let Some(mut plan) = self.plan.take() else {
             return false;
         };
@@ -425,13 +523,35 @@ impl DeviceArena {
         if self.overflowed {
             retired += usize::from(self.drop_plan(st));
         } else if n > 0 && (self.diverged || self.replan || !whole) {
-            let layout = Layout::new(&self.record, self.plan.as_ref().map(|p| &p.layout));
+            let old = self.plan.take();
+            let same = old
+                .as_ref()
+                .is_none_or(|p| p.layout.same_kind(&self.record));
+            let layout = Layout::new(
+                &self.record,
+                old.as_ref().filter(|_| same).map(|p| &p.layout),
+            );
             let mut keep = None;
-            if let Some((b, in_use)) = self.plan.take().and_then(|mut old| old.take_block()) {
+            // A step of another kind, or one of the same kind that fit the block and plans
+            // much smaller (a smaller batch whose allocations come in another order): the old
+            // plan is kept for the steps it was made for.
+            let smaller = |old: &Layout| old.footprint > layout.footprint + layout.footprint / 4;
+            let keep_old =
+                !same || !self.outgrew && old.as_ref().is_some_and(|p| smaller(&p.layout));
+            let block = old.and_then(|mut old| {
+                let block = old.take_block();
+                if keep_old {
+                    self.shelve(old.layout);
+                }
+                block
+            });
+            if let Some((b, in_use)) = block {
                 // SAFETY: a plan's block is the cache's until detached.
                 let counts = unsafe { b.as_ref() };
                 let bytes = counts.block.bytes();
-                let fits = bytes >= layout.footprint && bytes - layout.footprint <= bytes / 8;
+                // A larger block is kept too: the steps it was made for may come again (a batch
+                // of another size), and a step that outgrows it gives it back.
+                let fits = bytes >= layout.footprint;
                 if fits && !tainted && counts.views() == 0 {
                     cached(st, self.gauge, in_use);
                     keep = Some(b);
@@ -451,6 +571,8 @@ impl DeviceArena {
         self.diverged = false;
         self.replan = false;
         self.overflowed = false;
+        self.grown = 0;
+        self.outgrew = false;
         self.awaiting = None;
         let step = self.step;
         self.step = step.wrapping_add(1);
@@ -501,6 +623,10 @@ impl CacheState {
             a.overflowed = true;
         } else {
             a.tick += 1;
+            if rec == 0 && !a.shelf.is_empty() {
+                self.live += usize::from(a.choose_plan(st, size));
+            }
+            let a = &mut self.arenas.devices[i];
             let (mut serve, pos) = match &mut a.plan {
                 Some(plan) => plan.layout.next(size, rec),
                 None => (Serve::Diverged, NONE),
@@ -529,6 +655,10 @@ impl CacheState {
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),
+                Serve::Diverged if !a.diverged && a.grows_in_place(pos, size) => {
+                    a.grown += size;
+                    a.replan = true;
+                }
                 Serve::Diverged => {
                     // The array of its position in an earlier step is still alive: this one
                     // likely outlives its step too, and goes apart (in the block it would keep
@@ -541,11 +671,13 @@ impl CacheState {
                         // Larger than planned (or past the plan's end), the step outgrows the
                         // plan: its block goes back once unused, and the rest of the step is
                         // served apart, exactly. Else the block's free bytes serve it.
-                        if size <= plan.layout.range(pos).len()
+                        if (size <= plan.layout.range(pos).len()
+                            || !plan.layout.outgrown(&a.record, plan.block_bytes()))
                             && let Err(e) = plan.open_gaps()
                         {
                             return Planned::Failed(e);
                         }
+                        a.outgrew = plan.gaps.is_none();
                         self.live += usize::from(a.release_unused_block(st));
                     }
                     if again {
@@ -635,6 +767,7 @@ impl CacheState {
             // The step outgrows the block: the rest goes apart, and the block back to the
             // device once no array uses it.
             plan.gaps = None;
+            a.outgrew = true;
             self.live += usize::from(a.release_unused_block(st));
             return None;
         };
@@ -660,7 +793,11 @@ impl CacheState {
     #[inline(always)]
     fn plan_hit(&mut self, st: &Counters, req: &Request<'_>) -> Option<(Block, u32, u32)> {
         let a = self.arenas.devices.first_mut()?;
-        if a.device != req.device || a.diverged || a.tick >= MAX_POSITIONS {
+        if a.device != req.device
+            || a.diverged
+            || a.tick >= MAX_POSITIONS
+            || (a.tick == 0 && !a.shelf.is_empty())
+        {
             return None;
         }
         let plan = a.plan.as_mut()?;

@@ -32,6 +32,14 @@ pub(in crate::cache) struct Plan {
     pub(super) views: Vec<Option<Block>>,
 }
 
+/// A plan of another kind of step than the current plan's, kept (without a block: the current
+/// plan's serves whichever layout is in use) for when such a step comes again.
+pub(in crate::cache) struct Shelved {
+    pub(super) layout: Layout,
+    /// The last step it was the plan of.
+    pub(super) used: u32,
+}
+
 /// A solo block no array uses, kept for the next solo array it fits.
 pub(in crate::cache) struct Spare {
     pub(super) block: Block,
@@ -61,12 +69,22 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) record: Vec<Rec>,
     /// The step left its plan: plan it again at its end.
     pub(super) diverged: bool,
-    /// An array served apart as planned (it outlived the recorded step) dropped within this
-    /// step: plan again at the step's end, with it in the plan (it follows the plan otherwise).
+    /// The step followed its plan, yet the plan must change: an array served apart as planned
+    /// (it outlived the recorded step) dropped within this step, or a position grew past its
+    /// size ([`DeviceArena::grown`]). Plan again at the step's end.
     pub(super) replan: bool,
     /// The step allocated more than the most positions a step records: it is not planned.
     pub(super) overflowed: bool,
+    /// Aligned bytes of this step's positions that grew past their plan and were served apart
+    /// while the step stayed on its plan.
+    pub(super) grown: usize,
+    /// The step left its plan for want of room: served apart from there, its plan's block given
+    /// back once unused.
+    pub(super) outgrew: bool,
     pub(super) plan: Option<Plan>,
+    /// Plans of other kinds of step (a server's prompt steps and decoding steps), the least
+    /// recently used first to go.
+    pub(super) shelf: Vec<Shelved>,
     pub(super) spares: Vec<Spare>,
     pub(super) awaiting: Option<Awaiting>,
 }

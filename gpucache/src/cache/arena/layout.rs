@@ -46,6 +46,9 @@ struct Spot {
     end: u32,
     /// Outlived its step in the recorded step: served apart.
     apart: bool,
+    /// Apart, and matched with a position apart of the plan before: an array that outlives
+    /// every step (a cache of keys and values), never skipped however its size changes.
+    recurs: bool,
     /// Its array (served from the plan) is alive, or its bytes are still taken.
     live: bool,
     /// Alive past its planned end: listed in [`Layout::overdue`].
@@ -82,6 +85,28 @@ pub(super) struct Layout {
     pub(super) skipped: bool,
     /// The block's size: the end of the highest position.
     pub(super) footprint: usize,
+    /// The aligned size of the recorded step's first allocation.
+    first: usize,
+}
+
+/// Whether two sizes are within a factor of two of each other.
+fn near(a: usize, b: usize) -> bool {
+    a / 2 <= b && b / 2 <= a
+}
+
+/// The size a position is planned with, from its size in the recorded step and in the plan it
+/// was matched with (if any): the larger, and when it grew by at most a thirty-second, room for
+/// eight more steps of that growth (a decoder's attention over the tokens so far grows a little
+/// every step; without the room every step would outgrow its plan).
+fn planned_size(bytes: usize, was: Option<usize>) -> usize {
+    match was {
+        Some(was) if bytes > was && bytes - was <= bytes / 32 => {
+            let room = (bytes - was).saturating_mul(32).min(bytes / 8);
+            super::block::aligned(bytes.saturating_add(room)).unwrap_or(bytes)
+        }
+        Some(was) => bytes.max(was),
+        None => bytes,
+    }
 }
 
 impl Layout {
@@ -92,24 +117,35 @@ impl Layout {
     /// step's size held 1.07x and 1.21x).
     pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
         let n = record.len() as u32;
+        // The same step with other sizes (a batch or a sequence of another length): its k-th
+        // allocation is the plan's k-th.
+        let aligned_with = old.filter(|o| {
+            o.spots.len() == record.len()
+                && record
+                    .iter()
+                    .enumerate()
+                    .all(|(k, r)| r.planned as usize == k)
+        });
         let mut spots: Vec<Spot> = record
             .iter()
             .map(|r| {
-                // The same array, if within a factor of two (else the steps' orders differ
-                // there, and a merged size would only waste).
-                let was = old
-                    .and_then(|o| o.spots.get(r.planned as usize))
-                    .filter(|s| !s.apart && s.size / 2 <= r.bytes && r.bytes / 2 <= s.size);
+                // The same array: in a step aligned with the plan, or within a factor of two
+                // (else the steps' orders differ there, and a merged size would only waste).
+                let matched = old.and_then(|o| o.spots.get(r.planned as usize));
+                let was = matched
+                    .filter(|s| !s.apart && (aligned_with.is_some() || near(s.size, r.bytes)));
                 let apart = r.end == OPEN;
+                let recurs = apart && matched.is_some_and(|s| s.apart);
                 Spot {
                     offset: 0,
                     size: if apart {
                         r.bytes
                     } else {
-                        r.bytes.max(was.map_or(0, |s| s.size))
+                        planned_size(r.bytes, was.map(|s| s.size))
                     },
                     end: if apart { n } else { r.end.min(n) },
                     apart,
+                    recurs,
                     live: false,
                     overdue: false,
                     rec: NONE,
@@ -155,12 +191,29 @@ impl Layout {
             ticked: 0,
             skipped: false,
             footprint: plan.footprint,
+            first: record.first().map_or(0, |r| r.bytes),
         }
     }
 
     /// The number of positions.
     pub(super) fn len(&self) -> usize {
         self.spots.len()
+    }
+
+    /// The size of the recorded step's first allocation (0 for an empty plan): what tells the
+    /// kind of step a plan was made for (its first position may be planned larger).
+    pub(super) fn first_size(&self) -> usize {
+        self.first
+    }
+
+    /// Whether the step recorded as `record` is of the kind this plan was made for, to be planned
+    /// as its next version (else the plan is kept for steps of its own kind): it made as many
+    /// allocations, or its first is within a factor of two of the plan's first position.
+    pub(super) fn same_kind(&self, record: &[Rec]) -> bool {
+        self.spots.len() == record.len()
+            || record
+                .first()
+                .is_some_and(|r| near(r.bytes, self.first_size()))
     }
 
     /// Processes the planned ends of the ticks up to `t`: positions planned to end there that
@@ -206,10 +259,7 @@ impl Layout {
                 return (Serve::Diverged, NONE);
             };
             if s.apart {
-                // An array outliving its step may change size from step to step (a cache of
-                // keys and values grows): it matches within a factor of two.
-                let near = size / 2 <= s.size && s.size / 2 <= size;
-                if !near && c - self.cursor < MAX_SKIP {
+                if !s.recurs && !near(size, s.size) && self.skips_to(c, size) {
                     self.skipped = true;
                     c += 1;
                     continue;
@@ -220,6 +270,21 @@ impl Layout {
             self.cursor = c + 1;
             return (self.serve(c, size, rec), c);
         }
+    }
+
+    /// Whether an allocation of `size` bytes that is not near position `c`'s size (apart)
+    /// skips it: the recorded step allocated something there that this one does not (a training
+    /// step's first step makes its optimizer state in the middle of the step). It does when the
+    /// first position after `c` that is placed, or apart and near `size`, is near `size`: this
+    /// allocation is that one. Else the step's arrays apart are of other sizes than the recorded
+    /// ones (a shorter prompt's cache of keys and values), and it takes `c`.
+    fn skips_to(&self, c: u32, size: usize) -> bool {
+        let lo = c as usize + 1;
+        let hi = (c.saturating_add(MAX_SKIP) as usize).min(self.spots.len());
+        self.spots
+            .get(lo..hi)
+            .and_then(|after| after.iter().find(|s| !s.apart || near(size, s.size)))
+            .is_some_and(|s| near(size, s.size))
     }
 
     /// The hit path of [`Layout::next`]: the offset and position of the next allocation when it
@@ -283,6 +348,37 @@ impl Layout {
             self.overdue.retain(|&p| p != k);
         }
         s.rec
+    }
+
+    /// Forgets which positions are taken, when no array of the block is alive (a plan switched
+    /// in may have positions marked taken from the last step it was used in).
+    pub(super) fn clear_live(&mut self) {
+        for s in &mut self.spots {
+            s.live = false;
+            s.overdue = false;
+        }
+        self.overdue.clear();
+    }
+
+    /// Whether the step recorded so far as `record` is larger than the plan's block (`block`
+    /// bytes, at least the footprint): its k-th allocation has been matched with the plan's
+    /// k-th position all along (the same step with other sizes), and those allocations ask for
+    /// more bytes in all than their positions hold, in a larger ratio than the block's to the
+    /// footprint (a longer sequence: the step will not fit). A step matched otherwise (another
+    /// order, extra or missing allocations) says nothing of its size that way: it is tried in
+    /// the block's free bytes.
+    pub(super) fn outgrown(&self, record: &[Rec], block: usize) -> bool {
+        let (mut asked, mut planned) = (0u128, 0u128);
+        for (k, r) in record.iter().enumerate() {
+            let Some(s) = self.spots.get(k).filter(|_| r.planned as usize == k) else {
+                return false;
+            };
+            if !s.apart {
+                asked += r.bytes as u128;
+                planned += s.size as u128;
+            }
+        }
+        asked * self.footprint as u128 > planned * block.max(self.footprint) as u128
     }
 
     /// The bytes of position `k` in the block.
@@ -457,5 +553,91 @@ mod tests {
             l.next(256, 0);
         }
         assert_eq!(l.next(256, 4), (Serve::Diverged, NONE));
+    }
+
+    fn matched(bytes: usize, end: u32, planned: u32) -> Rec {
+        Rec {
+            bytes,
+            end,
+            planned,
+        }
+    }
+
+    #[test]
+    fn an_array_apart_in_two_steps_is_matched_whatever_its_size() {
+        // The first step: a cache of keys and values (apart), then scratch.
+        let first = vec![rec(4096, OPEN), rec(1024, 2)];
+        let once = Layout::new(&first, None);
+        // Matched with the apart position in the next step: it recurs.
+        let second = vec![matched(8192, OPEN, 0), matched(1024, 2, 1)];
+        let mut twice = Layout::new(&second, Some(&once));
+        // A much smaller one (a shorter prompt's), near the scratch's size, still takes it,
+        // and the scratch its own.
+        assert_eq!(twice.next(600, 0), (Serve::Apart, 0));
+        assert_eq!(twice.next(1024, 1), (Serve::At(0), 1));
+        // Apart in one step only, it is skipped for the scratch's position.
+        let mut once = once;
+        assert_eq!(once.next(600, 0), (Serve::At(0), 1));
+    }
+
+    #[test]
+    fn an_array_apart_is_skipped_only_for_a_later_position_near_the_request() {
+        let first = vec![rec(65536, OPEN), rec(1024, 2), rec(4096, 3)];
+        // 1024 is not near 65536 but is the next placed position's size: skipped.
+        let mut l = Layout::new(&first, None);
+        assert_eq!(l.next(1024, 0), (Serve::At(0), 1));
+        assert!(l.skipped);
+        // 256 is near neither: the position apart takes it.
+        let mut l = Layout::new(&first, None);
+        assert_eq!(l.next(256, 0), (Serve::Apart, 0));
+        assert!(!l.skipped);
+    }
+
+    #[test]
+    fn a_position_that_grew_a_little_is_planned_with_room() {
+        // Grew by 256 on 64 KiB: room for 32 more such steps.
+        assert_eq!(planned_size(65536, Some(65280)), 65536 + 32 * 256);
+        // The room is at most an eighth.
+        assert_eq!(planned_size(8192, Some(7936)), 8192 + 1024);
+        // Grew a lot, shrank, or new: the larger size, no room.
+        assert_eq!(planned_size(65536, Some(16384)), 65536);
+        assert_eq!(planned_size(4096, Some(65536)), 65536);
+        assert_eq!(planned_size(4096, None), 4096);
+    }
+
+    #[test]
+    fn a_step_outgrows_the_block_when_matched_in_order_and_larger_in_all() {
+        let l = Layout::new(&[rec(1024, 1), rec(1024, 2), rec(512, OPEN)], None);
+        assert_eq!(l.footprint, 1024);
+        let larger = [matched(1536, 1, 0), matched(1024, 2, 1)];
+        assert!(l.outgrown(&larger, 1024));
+        // Not when the block holds that ratio, nor when matched out of order.
+        assert!(!l.outgrown(&larger, 2048));
+        let shifted = [matched(1536, 1, 0), matched(1024, 2, 2)];
+        assert!(!l.outgrown(&shifted, 1024));
+        let smaller = [matched(512, 1, 0), matched(1024, 2, 1)];
+        assert!(!l.outgrown(&smaller, 1024));
+    }
+
+    #[test]
+    fn the_kind_of_a_step_is_its_count_or_its_first_size() {
+        let l = Layout::new(&step(), None);
+        assert_eq!(l.first_size(), 256);
+        let same_count = [rec(65536, 1), rec(1, 2), rec(1, 3), rec(1, 4)];
+        assert!(l.same_kind(&same_count));
+        assert!(l.same_kind(&[rec(400, 1)]), "first within a factor of two");
+        assert!(!l.same_kind(&[rec(65536, 1)]), "a prompt after decoding");
+        assert!(!l.same_kind(&[]));
+    }
+
+    #[test]
+    fn clearing_the_live_positions_frees_them_all() {
+        let mut l = Layout::new(&step(), None);
+        assert!(at(&mut l, 256).is_some());
+        l.end_step();
+        assert_eq!(l.next(256, 0).0, Serve::Diverged, "still taken");
+        l.end_step();
+        l.clear_live();
+        assert!(at(&mut l, 256).is_some());
     }
 }

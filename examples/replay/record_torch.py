@@ -354,8 +354,88 @@ def record_gpt2_decode(out, tokens=48, batch=4, prompt=64):
     return rec.write(os.path.join(out, "gpt2_decode.csv.gz"))
 
 
+def record_vit_train(out, steps=8, batch=32):
+    """A vision transformer (timm's ViT-S/16) trained with AdamW and mixed precision."""
+    import timm
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = timm.create_model("vit_small_patch16_224", pretrained=False).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, 3, 224, 224, device=dev)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lossf(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return record_training(step, steps, os.path.join(out, "vit_train.csv.gz"))
+
+
+def record_llama_serve(out, requests=6, new_tokens=12, batch=2):
+    """A small Llama-style decoder serving requests one after another: each a prompt step of a
+    random length, then one step per new token with a growing KV cache (one scope per step, so
+    prompt and decode steps alternate in one scope)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
+    model = LlamaForCausalLM(cfg).to(dev).eval()
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(16, 385, (requests,), generator=gen).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (batch, n), generator=gen) for n in lengths]
+
+    rec = Recorder("serve")
+    with torch.no_grad(), rec:
+        for ids in prompts:
+            state = {"past": None, "next": ids.to(dev)}
+            for _ in range(new_tokens + 1):  # the prompt, then one token a step
+                with rec.step():
+                    o = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
+                    state["past"] = o.past_key_values
+                    state["next"] = o.logits[:, -1:].argmax(-1)
+            state.clear()
+    print(f"llama-serve: prompt lengths {lengths}", flush=True)
+    return rec.write(os.path.join(out, "llama_serve.csv.gz"))
+
+
+def record_effnet_infer(out, steps=10):
+    """torchvision's EfficientNet-B0 in inference, the batch varying every step (1 to 64 images)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = torchvision.models.efficientnet_b0().to(dev).eval()
+    gen = torch.Generator().manual_seed(3)
+    batches = torch.randint(1, 65, (steps,), generator=gen).tolist()
+    rec = Recorder("infer")
+    with torch.no_grad(), rec:
+        for b in batches:
+            with rec.step():
+                x = torch.randn(b, 3, 224, 224, device=dev)
+                model(x).softmax(-1).argmax(-1)
+    print(f"effnet-infer: batches {batches}", flush=True)
+    return rec.write(os.path.join(out, "effnet_infer.csv.gz"))
+
+
 MODELS = {
     "tiny": record_tiny,
+    "vit-train": record_vit_train,
+    "llama-serve": record_llama_serve,
+    "effnet-infer": record_effnet_infer,
     "gpt2-train": record_gpt2_train,
     "resnet-train": record_resnet_train,
     "bert-infer": record_bert_infer,

@@ -62,8 +62,9 @@ const COMMON: &[(Dt, &[usize])] = &[
 /// The byte caps a program configures (they bound the spares).
 const CAPS: &[Option<usize>] = &[None, Some(0), Some(1024), Some(1 << 16)];
 
-/// How much a position of a loop grows in the iteration that grows it (elements times this).
-const GROWTH: &[usize] = &[2, 5, 40];
+/// How much a position of a loop grows in the iteration that grows it, in eighths of its
+/// elements (a little, as attention over one more token; twice; five and forty times).
+const GROWTH: &[usize] = &[9, 16, 40, 320];
 
 /// The device room an `AllocNearLimit` leaves above what is allocated.
 const SLACK: &[usize] = &[0, 512, 8192];
@@ -246,11 +247,14 @@ fn unroll(ops: &[Op], out: &mut Vec<Op>) {
     }
 }
 
-/// `shape`, or a one-dimensional shape `factor` times its size if allocation `a` is the one
-/// that `grown` (allocation, factor) grows.
+/// `shape`, or a one-dimensional shape `eighths` eighths of its size (at least one element
+/// more) if allocation `a` is the one that `grown` (allocation, eighths) grows.
 fn grown_shape(shape: &[usize], grown: Option<(usize, usize)>, a: usize) -> Vec<usize> {
     match grown {
-        Some((g, factor)) if g == a => vec![shape.iter().product::<usize>().max(1) * factor],
+        Some((g, eighths)) if g == a => {
+            let n = shape.iter().product::<usize>().max(1);
+            vec![(n * eighths).div_ceil(8).max(n + 1)]
+        }
         _ => shape.to_vec(),
     }
 }

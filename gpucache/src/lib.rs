@@ -173,11 +173,17 @@
 //! * **Later steps** follow the plan: position k gets its offset, in O(1) and at the same
 //!   address every step, when the array is no larger than planned there and no array the plan
 //!   placed on those bytes is still alive (checked per allocation: an array kept alive past its
-//!   planned end keeps its bytes). A step with smaller sizes fits the plan. A step that leaves
-//!   its plan is planned again at its end, with each position's largest size; until then, if
-//!   it grew (an array larger than planned, or more arrays), the rest of it is served apart and
-//!   the plan's block is given back as soon as no array uses it; if it did not (an array kept
-//!   alive, another order), the rest is served from the block's free bytes while they hold it.
+//!   planned end keeps its bytes). A step with smaller sizes fits the plan. A few arrays larger
+//!   than planned are served apart on their own, and the step stays on its plan; one that
+//!   grew a little since the last plan (attention over the tokens so far) is planned with room
+//!   to grow. A step that leaves its plan is planned again at its end, with each position's
+//!   largest size; until then, if it outgrew the plan (larger in all: a longer sequence), the
+//!   rest of it is served apart and the plan's block is given back as soon as no array uses it;
+//!   if not (an array kept alive, another order, extra allocations), the rest is served from
+//!   the block's free bytes while they hold it.
+//! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
+//!   plan each, up to four, sharing the block: a step's first allocation picks the plan made
+//!   for steps like it.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
 //!   step, its block is kept for the next such array through the end of the next step (a cache

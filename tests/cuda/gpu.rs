@@ -769,6 +769,103 @@ fn a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes(dev: Device) ->
     Ok(())
 }
 
+/// One step of a server on the GPU: a prompt step (`prompt` tokens: a large first array, then
+/// a chain of kernels) or a decoding step after `len` tokens (a small first array, scores one
+/// element longer every token, a cache of keys and values that outlives the step, replaced).
+/// Checks every value the kernels wrote.
+fn serve_step(
+    dev: Device,
+    name: &str,
+    kv: &mut Option<Array<f32>>,
+    prompt: Option<usize>,
+    len: usize,
+) -> TestResult {
+    let stream = current(dev);
+    let _scope = enter(name);
+    let v = len as f32;
+    match prompt {
+        Some(tokens) => {
+            let n = tokens * 256;
+            let mut x = Array::<f32>::empty(dev, n)?;
+            fill(&stream, &mut x, v)?;
+            let mut h = Array::<f32>::empty(dev, n)?;
+            affine(&stream, &mut h, &x, 2.0, 1.0)?;
+            drop(x);
+            let mut k = Array::<f32>::empty(dev, tokens * 64)?;
+            fill(&stream, &mut k, 2.0 * v)?;
+            assert!(
+                h.to_vec()?.iter().all(|&e| e == 2.0 * v + 1.0),
+                "prompt {tokens}: h"
+            );
+            assert!(
+                k.to_vec()?.iter().all(|&e| e == 2.0 * v),
+                "prompt {tokens}: k"
+            );
+            *kv = Some(k);
+        }
+        None => {
+            // Larger at its position than the prompt's array there: a decoding step does not
+            // fit the prompt's plan.
+            let mut x = Array::<f32>::empty(dev, 64)?;
+            fill(&stream, &mut x, v)?;
+            let mut scores = Array::<f32>::empty(dev, 4096 + len)?;
+            fill(&stream, &mut scores, -v)?;
+            let mut t = Array::<f32>::empty(dev, 1 << 17)?;
+            affine(&stream, &mut t, &scores, 2.0, 0.0)?;
+            assert!(
+                scores.to_vec()?.iter().all(|&e| e == -v),
+                "decoding {len}: scores"
+            );
+            drop(scores);
+            let mut k = Array::<f32>::empty(dev, len * 64)?;
+            affine(&stream, &mut k, &x, 1.0, 0.0)?;
+            assert!(
+                k.to_vec()?[..64].iter().all(|&e| e == v),
+                "decoding {len}: k"
+            );
+            assert!(
+                t.to_vec()?[..4096].iter().all(|&e| e == -2.0 * v),
+                "decoding {len}: t"
+            );
+            *kv = Some(k);
+        }
+    }
+    Ok(())
+}
+
+/// A scope whose steps alternate between prompts and decoding (a server) keeps a plan for each
+/// kind: kernels compute on both plans' views, and once each kind has been planned (and the
+/// decoding scores have room to grow), no step allocates on the device.
+fn prompt_and_decoding_steps_compute_on_their_own_plans(dev: Device) -> TestResult {
+    let name = "cuda-serve";
+    arena(name);
+    let mut kv = None;
+    let mut misses = None;
+    for request in 0..4 {
+        let tokens = [300, 280, 290, 250][request];
+        serve_step(dev, name, &mut kv, Some(tokens), tokens)?;
+        for t in 1..=6 {
+            serve_step(dev, name, &mut kv, None, tokens + t)?;
+        }
+        if request == 1 {
+            misses = Some(stats(name).misses);
+        }
+    }
+    if caching() {
+        // The keys and values are new arrays of new sizes at each prompt (apart, as a
+        // server's are): a few device allocations for them (2 on the CPU backend; 8 when
+        // each switch of kind planned again).
+        let after = stats(name).misses - misses.unwrap_or(0);
+        assert!(
+            after <= 3,
+            "{after} device allocations in the last two requests"
+        );
+    }
+    drop(kv);
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// Runs `f` in a scope of `name`.
 fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
     let _scope = enter(name);
@@ -784,6 +881,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
     an_arena_block_is_reused_only_after_a_marked_stream,
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
+    prompt_and_decoding_steps_compute_on_their_own_plans,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,
     an_escaped_array_is_not_overwritten_by_later_steps,

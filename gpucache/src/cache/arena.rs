@@ -12,11 +12,37 @@
 //! follow it: position k gets a view of the plan's block at its offset when
 //! [`Layout::serve`] says it may (no larger than planned, no array alive over those bytes).
 //! Else the step is marked *diverged*, and is planned again at its end, with each position's
-//! largest size. Until then, a step that grew (this allocation is larger than its position, or
-//! past the plan's end) gets solo blocks, and the plan's block goes back to the device once no
-//! array uses it; one that did not is served from the block's free ranges ([`Gaps`]) until an
-//! allocation fits none, then gets solo blocks too. So a fixed-shape loop settles on one plan after its second
-//! step, and a loop whose sizes vary settles on one that fits its largest step.
+//! largest size. Until then, a step that outgrew the plan (matched with it position by
+//! position, and larger in all than the block allows) gets solo blocks, and the plan's block
+//! goes back to the device once no array uses it; any other (another order, extra or missing
+//! allocations, an array kept alive) is served from the block's free ranges ([`Gaps`]) until an
+//! allocation fits none, then gets solo blocks too. So a fixed-shape loop settles on one plan
+//! after its second step, and a loop whose sizes vary settles on one that fits its largest step.
+//!
+//! # Positions that grow, and kinds of step
+//!
+//! A position larger than planned does not always make the step leave its plan: while the
+//! arrays that outgrew their positions this step stay within an eighth of the footprint, each
+//! goes apart on its own (a solo block) and the step stays on the plan, which is made again at
+//! its end. A position that grew by at most a thirty-second since the last plan is planned with
+//! room for 32 more such steps (at most an eighth more): a decoder's attention over the tokens
+//! so far grows every step, and would otherwise outgrow every plan.
+//!
+//! One scope may run steps of several kinds: a server's prompt steps and decoding steps. A step
+//! is of its plan's kind when it made as many allocations, or its first allocation is within a
+//! factor of two of the recorded step's first; a step of another kind is planned apart from it,
+//! and the old plan goes on a *shelf* (three at most, the least recently used going first). The
+//! plans share the device's one block. At a step's first allocation, the plan whose recorded
+//! first allocation fits it most tightly is switched in (only when no array uses the block: a
+//! plan knows only its own arrays' positions). A step of the same kind whose plan comes out much
+//! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
+//! The block is kept while the plans fit it; a step that outgrows it gives it back.
+//!
+//! Arrays that outlive their step (apart) are matched by position too. One apart in the
+//! recorded step and not near the request's size is skipped only when a later position is near
+//! it (a training step's first step makes its optimizer state in the middle of the step, the
+//! next steps do not); one apart in two steps running (a cache of keys and values) is never
+//! skipped, whatever its size.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
 //! class. When such a block's array drops in a later step than it was made in, the block is kept

@@ -419,6 +419,46 @@ fn arrays_dropped_on_another_thread_during_the_step_are_never_overwritten() {
 }
 
 #[test]
+fn arrays_dropped_on_another_thread_keep_the_counts_right_across_plan_switches() {
+    let _serial = serial();
+    let name = "planned-switch-remote";
+    let (backend, _installed) = planned(name, None);
+    for round in 0..6 {
+        serve(name, true);
+        for _ in 0..2 {
+            let _scope = gpucache::enter(name);
+            let a = filled(DEV, 1u8, 256);
+            let b = filled(DEV, 2u8, 1024);
+            // Its position stays taken for the owner, who does not see the drop.
+            thread::spawn(move || drop(b)).join().unwrap();
+            let c = filled(DEV, 3u8, 8192);
+            assert!(common::all_eq(&a, 1) && common::all_eq(&c, 3));
+        }
+        let stats = gpucache::stats(name);
+        assert_eq!(
+            stats.bytes_in_use + stats.bytes_cached,
+            backend.outstanding_bytes(),
+            "round {round}: {stats:?}"
+        );
+        assert!(
+            stats.bytes_cached <= backend.outstanding_bytes(),
+            "round {round}"
+        );
+    }
+    // Invalidated while an array of the block is alive: the block is retired under it.
+    let scope = gpucache::enter(name);
+    let alive = filled(DEV, 9u8, 65536);
+    gpucache::invalidate(name);
+    let stats = gpucache::stats(name);
+    assert_eq!(stats.bytes_cached, 0, "{stats:?}");
+    assert_eq!(stats.bytes_in_use, backend.outstanding_bytes(), "{stats:?}");
+    assert!(common::all_eq(&alive, 9));
+    drop((alive, scope));
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
 fn the_byte_cap_bounds_the_spares() {
     let _serial = serial();
     let name = "planned-cap";

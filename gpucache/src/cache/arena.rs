@@ -449,8 +449,10 @@ impl DeviceArena {
         };
         // SAFETY: a plan's block is the cache's until detached.
         if unsafe { b.as_ref() }.block.bytes() >= plan.layout.footprint {
+            // No array uses the block: what is still counted in use was dropped on other
+            // threads, and its bytes may be handed out again, so they are cached again.
+            cached(st, self.gauge, in_use);
             plan.block = Some(b);
-            plan.in_use = in_use;
             return false;
         }
         self.detach(st, b, in_use)
@@ -477,6 +479,10 @@ impl DeviceArena {
         // SAFETY: a plan's block is the cache's until detached.
         let counts = unsafe { arena.as_ref() };
         let bytes = counts.block.bytes();
+        debug_assert!(
+            in_use <= bytes,
+            "{in_use} bytes in use in a block of {bytes}"
+        );
         if counts.views() > 0 {
             // The rest of the block is not handed out again: in use until it comes back.
             uncached(st, self.gauge, bytes - in_use);

@@ -383,7 +383,6 @@ def record_llama_serve(out, requests=6, new_tokens=12, batch=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     cfg = LlamaConfig(
         hidden_size=512,
         intermediate_size=1408,
@@ -393,7 +392,24 @@ def record_llama_serve(out, requests=6, new_tokens=12, batch=2):
         vocab_size=32000,
         max_position_embeddings=2048,
     )
-    model = LlamaForCausalLM(cfg).to(dev).eval()
+    return record_serve(out, "llama", LlamaForCausalLM(cfg), requests, new_tokens, batch)
+
+
+def record_opt_serve(out, requests=5, new_tokens=16, batch=4):
+    """OPT-125m (a learned-position decoder, no grouped attention) serving requests as
+    `llama-serve` does, with another batch and more tokens per request."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    return record_serve(out, "opt", OPTForCausalLM(OPTConfig()), requests, new_tokens, batch)
+
+
+def record_serve(out, name, model, requests, new_tokens, batch):
+    """Serves `requests` prompts of random lengths with `model` (made after seeding torch's
+    generator with 0), one scope per step."""
+    dev = torch.device("cuda")
+    model = model.to(dev).eval()
+    cfg = model.config
     gen = torch.Generator().manual_seed(2)
     lengths = torch.randint(16, 385, (requests,), generator=gen).tolist()
     prompts = [torch.randint(0, cfg.vocab_size, (batch, n), generator=gen) for n in lengths]
@@ -408,8 +424,8 @@ def record_llama_serve(out, requests=6, new_tokens=12, batch=2):
                     state["past"] = o.past_key_values
                     state["next"] = o.logits[:, -1:].argmax(-1)
             state.clear()
-    print(f"llama-serve: prompt lengths {lengths}", flush=True)
-    return rec.write(os.path.join(out, "llama_serve.csv.gz"))
+    print(f"{name}-serve: prompt lengths {lengths}", flush=True)
+    return rec.write(os.path.join(out, f"{name}_serve.csv.gz"))
 
 
 def record_effnet_infer(out, steps=10):
@@ -431,11 +447,33 @@ def record_effnet_infer(out, steps=10):
     return rec.write(os.path.join(out, "effnet_infer.csv.gz"))
 
 
+def record_convnext_infer(out, steps=10):
+    """timm's ConvNeXt-T in inference under bf16 autocast, the batch varying every step (1 to
+    48 images)."""
+    import timm
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = timm.create_model("convnext_tiny", pretrained=False).to(dev).eval()
+    gen = torch.Generator().manual_seed(4)
+    batches = torch.randint(1, 49, (steps,), generator=gen).tolist()
+    rec = Recorder("infer")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), rec:
+        for b in batches:
+            with rec.step():
+                x = torch.randn(b, 3, 224, 224, device=dev)
+                model(x).float().softmax(-1).argmax(-1)
+    print(f"convnext-infer: batches {batches}", flush=True)
+    return rec.write(os.path.join(out, "convnext_infer.csv.gz"))
+
+
 MODELS = {
     "tiny": record_tiny,
     "vit-train": record_vit_train,
     "llama-serve": record_llama_serve,
     "effnet-infer": record_effnet_infer,
+    "opt-serve": record_opt_serve,
+    "convnext-infer": record_convnext_infer,
     "gpt2-train": record_gpt2_train,
     "resnet-train": record_resnet_train,
     "bert-infer": record_bert_infer,

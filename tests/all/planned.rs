@@ -418,6 +418,37 @@ fn arrays_dropped_on_another_thread_during_the_step_are_never_overwritten() {
     assert_eq!(backend.outstanding_bytes(), 0);
 }
 
+/// A step whose arrays, of `sizes` bytes, are all alive together. Returns their addresses.
+fn together(name: &str, sizes: &[usize]) -> Vec<usize> {
+    let _scope = gpucache::enter(name);
+    let arrays: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| filled(DEV, i as u8, n))
+        .collect();
+    for (i, a) in arrays.iter().enumerate() {
+        assert!(common::all_eq(a, i as u8));
+    }
+    arrays.iter().map(addr).collect()
+}
+
+#[test]
+fn a_plan_made_from_a_cold_start_is_picked_only_when_no_other_fits() {
+    let _serial = serial();
+    let name = "planned-cold";
+    let (_backend, _installed) = planned(name, None);
+    // The first step allocates something later steps do not (a large buffer).
+    together(name, &[4096, 1 << 20]);
+    // Another kind of step (another count, a first array not near): the first step's plan goes
+    // on the shelf, and this kind gets its own.
+    together(name, &[16384, 8192, 512]);
+    let warm = together(name, &[16384, 8192, 512]);
+    // A first array that both plans fit, the cold one more tightly: the warm plan serves it.
+    let small = together(name, &[2048, 8192, 512]);
+    assert_eq!(small[1..], warm[1..], "served at the warm plan's offsets");
+    assert_eq!(small[0], warm[0]);
+}
+
 #[test]
 fn arrays_dropped_on_another_thread_keep_the_counts_right_across_plan_switches() {
     let _serial = serial();

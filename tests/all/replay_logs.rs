@@ -20,8 +20,10 @@ const LOGS: &[(&str, f64)] = &[
     ("vit_train", 1.10),
     ("bert_infer", 1.10),
     ("effnet_infer", 1.10),
+    ("convnext_infer", 1.10),
     ("gpt2_decode", 1.5),
     ("llama_serve", 1.5),
+    ("opt_serve", 1.5),
 ];
 
 /// Sets the fixtures' caches back to the default when dropped (even on a failure), for the tests

@@ -400,26 +400,29 @@ impl DeviceArena {
     }
 
     /// The first allocation of a step, of `size` aligned bytes, picks the plan to follow: of
-    /// the current plan and the shelved ones, the one whose first position fits it most
-    /// tightly (else the one whose first position is largest), the current plan on a tie. A
+    /// the current plan and the shelved ones, the one whose recorded first allocation fits it
+    /// most tightly, a plan made from a cold start only if no other fits (else the one whose
+    /// first allocation is largest), the current plan on a tie. A
     /// shelved plan is switched in only when no array uses the block, which the layouts share:
     /// a layout knows only its own arrays. Returns whether the block was retired (never).
     fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
         };
-        // Fitting first, then the tightest; else the largest.
-        let rank = |first: usize| {
+        // Fitting first, then one not made from a cold start (a first step allocates what
+        // later steps do not), then the tightest; else the largest.
+        let rank = |l: &Layout| {
+            let first = l.first_size();
             if size <= first {
-                (false, first)
+                (false, l.cold, first)
             } else {
-                (true, usize::MAX - first)
+                (true, false, usize::MAX - first)
             }
         };
-        let mut best = rank(plan.layout.first_size());
+        let mut best = rank(&plan.layout);
         let mut pick = None;
         for (i, s) in self.shelf.iter().enumerate() {
-            let r = rank(s.layout.first_size());
+            let r = rank(&s.layout);
             if r < best {
                 (best, pick) = (r, Some(i));
             }
@@ -559,10 +562,11 @@ impl DeviceArena {
             let same = old
                 .as_ref()
                 .is_none_or(|p| p.layout.same_kind(&self.record));
-            let layout = Layout::new(
+            let mut layout = Layout::new(
                 &self.record,
                 old.as_ref().filter(|_| same).map(|p| &p.layout),
             );
+            layout.cold = old.is_none();
             let mut keep = None;
             // A step of another kind, or one of the same kind that fit the block and plans
             // much smaller (a smaller batch whose allocations come in another order): the old

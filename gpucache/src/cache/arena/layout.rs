@@ -87,6 +87,9 @@ pub(super) struct Layout {
     pub(super) footprint: usize,
     /// The aligned size of the recorded step's first allocation.
     first: usize,
+    /// Made from a step that had no plan before it (the cache's first, or the first after
+    /// `invalidate` or `empty_cache`): it may hold what only a first step allocates.
+    pub(super) cold: bool,
 }
 
 /// Whether two sizes are within a factor of two of each other.
@@ -192,6 +195,7 @@ impl Layout {
             skipped: false,
             footprint: plan.footprint,
             first: record.first().map_or(0, |r| r.bytes),
+            cold: false,
         }
     }
 

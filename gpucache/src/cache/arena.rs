@@ -402,9 +402,9 @@ impl DeviceArena {
     /// The first allocation of a step, of `size` aligned bytes, picks the plan to follow: of
     /// the current plan and the shelved ones, the one whose recorded first allocation fits it
     /// most tightly, a plan made from a cold start only if no other fits (else the one whose
-    /// first allocation is largest), the current plan on a tie. A
-    /// shelved plan is switched in only when no array uses the block, which the layouts share:
-    /// a layout knows only its own arrays. Returns whether the block was retired (never).
+    /// first allocation is largest), the current plan on a tie. A shelved plan is switched in
+    /// only when no array uses the block, which the layouts share: a layout knows only its own
+    /// arrays. Returns whether the block was retired (never: no array uses it).
     fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;

@@ -99,8 +99,9 @@ fn near(a: usize, b: usize) -> bool {
 
 /// The size a position is planned with, from its size in the recorded step and in the plan it
 /// was matched with (if any): the larger, and when it grew by at most a thirty-second, room for
-/// eight more steps of that growth (a decoder's attention over the tokens so far grows a little
-/// every step; without the room every step would outgrow its plan).
+/// 32 more steps of that growth, at most an eighth of its size (a decoder's attention over the
+/// tokens so far grows a little every step; without the room every step would outgrow its
+/// plan).
 fn planned_size(bytes: usize, was: Option<usize>) -> usize {
     match was {
         Some(was) if bytes > was && bytes - was <= bytes / 32 => {
@@ -212,7 +213,7 @@ impl Layout {
 
     /// Whether the step recorded as `record` is of the kind this plan was made for, to be planned
     /// as its next version (else the plan is kept for steps of its own kind): it made as many
-    /// allocations, or its first is within a factor of two of the plan's first position.
+    /// allocations, or its first is within a factor of two of the recorded step's first.
     pub(super) fn same_kind(&self, record: &[Rec]) -> bool {
         self.spots.len() == record.len()
             || record

@@ -835,7 +835,7 @@ fn serve_step(
 
 /// A scope whose steps alternate between prompts and decoding (a server) keeps a plan for each
 /// kind: kernels compute on both plans' views, and once each kind has been planned (and the
-/// decoding scores have room to grow), no step allocates on the device.
+/// decoding scores have room to grow), only the keys and values of new requests allocate.
 fn prompt_and_decoding_steps_compute_on_their_own_plans(dev: Device) -> TestResult {
     let name = "cuda-serve";
     arena(name);

@@ -237,8 +237,8 @@ fn a_smaller_step_in_another_order_is_served_from_the_plans_block() {
     let planned = sequence(name, &recorded);
     let allocs = backend.allocs();
     // An extra array at the second position: the third allocation is matched with a position
-    // smaller than it, but the step asks for fewer bytes than the plan holds so far, so it has
-    // not outgrown the block and is served from its free bytes.
+    // smaller than it. The step is not matched with the plan index by index, so that says
+    // nothing of its size: it is tried in the block's free bytes, and fits there.
     let other = sequence(name, &[2048, 256, 32768, 2048, 32768]);
     assert_eq!(backend.allocs(), allocs, "no device allocation");
     let block = planned[1]..planned[1] + 65536;
@@ -246,7 +246,7 @@ fn a_smaller_step_in_another_order_is_served_from_the_plans_block() {
         other.iter().all(|a| block.contains(a)),
         "{other:x?} in {block:x?}"
     );
-    // The recorded order again: its plan still fits it.
+    // The recorded order again: its plan (shelved for the smaller one) serves it.
     sequence(name, &recorded);
     sequence(name, &recorded);
     assert_eq!(backend.allocs(), allocs);

@@ -133,7 +133,7 @@ const MAX_SHELVED: usize = 3;
 
 impl Plan {
     fn new(layout: Layout, block: Option<BlockPtr>) -> Plan {
-        let views = std::iter::repeat_with(|| None).take(layout.len()).collect();
+        let views = no_views(&layout);
         Plan {
             layout,
             block,
@@ -143,6 +143,23 @@ impl Plan {
             gaps: None,
             views,
         }
+    }
+
+    /// Whether an array uses the plan's block (one exists, with views alive).
+    fn block_in_use(&self) -> bool {
+        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+        self.block
+            .is_some_and(|b| unsafe { b.as_ref() }.views() != 0)
+    }
+
+    /// Makes `layout` the plan's, leaving the one it replaces in `layout`. Only when no array
+    /// uses the block, and its kept views were dropped (`take_block`): so every position of the
+    /// new layout is free, whatever it last counted as taken (arrays dropped on other threads,
+    /// or on a block since replaced), and it has no kept view yet.
+    fn swap_layout(&mut self, layout: &mut Layout) {
+        std::mem::swap(&mut self.layout, layout);
+        self.layout.clear_live();
+        self.views = no_views(&self.layout);
     }
 
     /// The size of the plan's block (0 before it is made).
@@ -251,6 +268,11 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// No view kept for any of `layout`'s positions.
+fn no_views(layout: &Layout) -> Vec<Option<Block>> {
+    std::iter::repeat_with(|| None).take(layout.len()).collect()
 }
 
 /// What a recorded event says of a buffer (a view or a block): its bytes, address, device and
@@ -430,23 +452,13 @@ impl DeviceArena {
         let Some(i) = pick else {
             return false;
         };
-        let in_use = |b: BlockPtr| {
-            // SAFETY: a plan's block is the cache's until detached.
-            unsafe { b.as_ref() }.views() != 0
-        };
-        if plan.block.is_some_and(in_use) {
+        if plan.block_in_use() {
             return false;
         }
         let block = plan.take_block();
         let shelved = &mut self.shelf[i];
-        std::mem::swap(&mut plan.layout, &mut shelved.layout);
+        plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
-        // No array uses the block: none of the layout's positions is taken (it may still
-        // count some dropped on other threads, or on a block since replaced).
-        plan.layout.clear_live();
-        plan.views = std::iter::repeat_with(|| None)
-            .take(plan.layout.len())
-            .collect();
         let Some((b, in_use)) = block else {
             return false;
         };
@@ -521,11 +533,7 @@ impl DeviceArena {
             // The rest of the step is served from it.
             return false;
         }
-        let in_use = |b: BlockPtr| {
-            // SAFETY: a plan's block is the cache's until detached.
-            unsafe { b.as_ref() }.views() != 0
-        };
-        if plan.block.is_none_or(in_use) {
+        if plan.block.is_none() || plan.block_in_use() {
             return false;
         }
         plan.take_block()

@@ -51,6 +51,14 @@ impl HostBuf {
         HostBuf { ptr, bytes }
     }
 
+    /// Makes a view (see [`HostBuf::view`]) `bytes` long.
+    ///
+    /// # Safety
+    /// `self` was made by [`HostBuf::view`] over at least `bytes > 0` bytes.
+    pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
+        self.bytes = bytes;
+    }
+
     /// Sets the first `bytes <= self.bytes()` bytes to zero. Never fails (the `Result` matches
     /// the device backends').
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {

@@ -280,6 +280,8 @@ impl Backend for CudaBackend {
 pub(crate) struct CudaBuf {
     /// Dropped in `Drop`: freed by cudarc, or leaked back for a view.
     slice: ManuallyDrop<CudaSlice<u8>>,
+    /// The buffer's size: the slice's, or less for a view (see [`CudaBuf::set_view_len`]).
+    len: usize,
     /// The device address of the first byte, read without cudarc's event tracking (graph
     /// capture uses it raw).
     base: CUdeviceptr,
@@ -302,6 +304,7 @@ impl CudaBuf {
     /// marks, events or watchers; a `view` never frees its memory.
     fn new(slice: CudaSlice<u8>, base: CUdeviceptr, view: bool, stream: Arc<CudaStream>) -> Self {
         CudaBuf {
+            len: slice.len(),
             slice: ManuallyDrop::new(slice),
             base,
             view,
@@ -315,7 +318,17 @@ impl CudaBuf {
     /// The size in bytes.
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
-        self.slice.len()
+        self.len
+    }
+
+    /// Makes a view `bytes` long: the same cudarc slice (and events), over the range the view
+    /// was made for, serves an array of another size there.
+    ///
+    /// # Safety
+    /// `self` was made by [`CudaBuf::view`] over at least `bytes > 0` bytes.
+    pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
+        debug_assert!(self.view && bytes <= self.slice.len());
+        self.len = bytes;
     }
 
     /// The device the buffer lives on.

@@ -152,6 +152,21 @@ impl Block {
         })
     }
 
+    /// Makes a view `bytes` long, to serve another array over the range it was made for.
+    ///
+    /// # Safety
+    /// `self` was made by [`Block::view`] over at least `bytes > 0` bytes.
+    #[inline]
+    pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
+        match &mut *self.storage {
+            // SAFETY: a view over at least `bytes` bytes (caller).
+            Storage::Host(h) => unsafe { h.set_view_len(bytes) },
+            // SAFETY: as above.
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => unsafe { c.set_view_len(bytes) },
+        }
+    }
+
     /// Drops a view without a call to its backend.
     ///
     /// # Safety

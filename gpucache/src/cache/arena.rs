@@ -71,6 +71,15 @@
 //! remade, invalidated or emptied; then, if arrays of it are alive, it is *retired*: owned by
 //! those arrays, and freed by the last of them to drop. A solo block is retired from the start.
 //!
+//! A view costs something to make on CUDA (a cudarc `CudaSlice` with two events of its own), so
+//! views outlive their arrays: a view spans from its offset to the end of the block, and its
+//! length is set to each array's ([`Block::set_view_len`]). When an array drops on the owner
+//! thread, its view stays *idle* at its offset: kept for its position, or *loose* (by offset)
+//! in a step served from the gaps. The next array at that offset takes it, in this step or a
+//! later one, and so do the positions of a plan made again when their offsets did not change.
+//! Idle views are no array's: they are not counted, and they are dropped before the block
+//! leaves the plan.
+//!
 //! Views are counted with a biased count, so that a plan hit and a drop on the owner thread touch
 //! no atomic read-modify-write: `local` (views made minus views dropped on the owner thread) is
 //! written only by the holder of the cache's lock, and `shared` counts the drops on other threads
@@ -106,6 +115,7 @@ pub(super) mod device;
 pub(super) mod gaps;
 pub(super) mod layout;
 
+use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::*;
@@ -142,6 +152,7 @@ impl Plan {
             tainted: false,
             gaps: None,
             views,
+            loose: HashMap::new(),
         }
     }
 
@@ -153,13 +164,65 @@ impl Plan {
     }
 
     /// Makes `layout` the plan's, leaving the one it replaces in `layout`. Only when no array
-    /// uses the block, and its kept views were dropped (`take_block`): so every position of the
-    /// new layout is free, whatever it last counted as taken (arrays dropped on other threads,
-    /// or on a block since replaced), and it has no kept view yet.
+    /// uses the block, and its idle views were taken out (`take_views`, `take_block`): so every
+    /// position of the new layout is free, whatever it last counted as taken (arrays dropped on
+    /// other threads, or on a block since replaced), and it has no idle view yet.
     fn swap_layout(&mut self, layout: &mut Layout) {
         std::mem::swap(&mut self.layout, layout);
         self.layout.clear_live();
         self.views = no_views(&self.layout);
+    }
+
+    /// Takes the idle views out of the plan (the positions' and the loose ones), with their
+    /// offsets.
+    fn take_views(&mut self) -> KeptViews {
+        let layout = &self.layout;
+        let positions = self
+            .views
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(k, v)| Some((layout.range(k as u32).start, v.take()?)));
+        let mut views: KeptViews = positions.collect();
+        views.extend(self.loose.drain());
+        views
+    }
+
+    /// Keeps the idle views `kept` (of this plan's block): each for the position of the layout
+    /// at its offset, else loose (at most as many as the layout has positions; the others are
+    /// dropped). A step planned again (another batch, another order) mostly keeps offsets, so
+    /// their views are not made again.
+    fn keep_views(&mut self, kept: KeptViews) {
+        let mut kept: Vec<(usize, Option<Block>)> =
+            kept.into_iter().map(|(o, v)| (o, Some(v))).collect();
+        kept.sort_unstable_by_key(|&(o, _)| o);
+        for (k, slot) in self.views.iter_mut().enumerate() {
+            let range = self.layout.range(k as u32);
+            if range.is_empty() {
+                continue;
+            }
+            // Positions that share an offset (at other times) each get a view, if there are
+            // enough.
+            let from = kept.partition_point(|&(o, _)| o < range.start);
+            *slot = kept[from..]
+                .iter_mut()
+                .take_while(|(o, _)| *o == range.start)
+                .find_map(|(_, v)| v.take());
+        }
+        for (offset, view) in kept {
+            if let Some(view) = view {
+                self.park(offset, view);
+            }
+        }
+    }
+
+    /// Keeps `view`, idle at `offset` of the block, loose (dropped when another is there, or
+    /// when there are as many loose views as positions).
+    fn park(&mut self, offset: usize, view: Block) {
+        if self.loose.len() < self.views.len().max(64) && !self.loose.contains_key(&offset) {
+            self.loose.insert(offset, view);
+        } else {
+            drop_views([view]);
+        }
     }
 
     /// The size of the plan's block (0 before it is made).
@@ -172,17 +235,15 @@ impl Plan {
     /// Takes the block out of the plan, with the bytes its arrays use, after dropping the views
     /// kept for positions (they must not outlive the block).
     fn take_block(&mut self) -> Option<(BlockPtr, usize)> {
-        for view in self.views.iter_mut().filter_map(Option::take) {
-            // SAFETY: a kept view was made by `Block::view` and is no array's.
-            unsafe { view.drop_view() };
-        }
+        drop_views(self.views.iter_mut().filter_map(Option::take));
+        drop_views(self.loose.drain().map(|(_, v)| v));
         let block = self.block.take()?;
         Some((block, std::mem::take(&mut self.in_use)))
     }
 
-    /// A view of `bytes` bytes at `offset` (position `pos`) of the plan's block `arena`, counted
-    /// (in gauge `g` of `st`) as in use: the view kept for the position if it has that size,
-    /// else a new one.
+    /// A view for an array of `bytes` bytes at position `pos` (at `offset`) of the plan's block
+    /// `arena`, counted (in gauge `g` of `st`) as in use: the view kept for the position, else a
+    /// new one.
     #[inline(always)]
     fn view(
         &mut self,
@@ -193,41 +254,46 @@ impl Plan {
         bytes: usize,
     ) -> Result<Block> {
         let kept = self.views.get_mut(pos as usize).and_then(Option::take);
-        self.counted_view(st, g, arena, (offset, bytes), kept)
+        self.counted_view(st, g, arena, offset, bytes, kept)
     }
 
-    /// A view of `bytes` bytes at `offset` of the plan's block `arena` (`kept` if it has that
-    /// size, else a new one), counted (in gauge `g` of `st`) as in use.
+    /// A view for an array of `bytes` bytes at `offset` of the plan's block `arena` (`kept`, an
+    /// idle view made at that offset, or a new one), counted (in gauge `g` of `st`) as in use.
+    /// A view spans from its offset to the end of the block, so that it serves any array there
+    /// later: a cudarc view is a `CudaSlice` with two events of its own, made once per offset,
+    /// not once per array.
     #[inline(always)]
     fn counted_view(
         &mut self,
         st: &Counters,
         g: GaugeIx,
         arena: BlockPtr,
-        (offset, bytes): (usize, usize),
+        offset: usize,
+        bytes: usize,
         kept: Option<Block>,
     ) -> Result<Block> {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
-        let view = match kept {
-            Some(view) if view.bytes() == bytes => view,
-            other => {
-                if let Some(view) = other {
-                    // SAFETY: a kept view was made by `Block::view` and is no array's.
-                    unsafe { view.drop_view() };
-                }
+        let span = counts.block.bytes() - offset;
+        let mut view = match kept {
+            Some(view) => view,
+            None => {
                 let owner: *const dyn Backend = arena.as_ptr().cast_const();
-                // SAFETY: `offset + bytes <= block bytes` (the layout placed the position and it
-                // fits in the footprint, or the block's gaps held the range), `owner` is the
-                // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and the block stays alive, unmoved and
-                // untouched through `&mut` while views of it live: it is prepared only with no
-                // array's view alive (kept views touch only their own state until dropped, by
-                // the lock holder, before the block goes), and freed only once no view is
-                // (`views() == 0` and kept views dropped before retirement, `shared` reaching 0
-                // after).
-                unsafe { counts.block.view(owner, offset, bytes) }?
+                // SAFETY: `offset < block bytes` (the layout placed the position and it fits in
+                // the footprint, or the block's gaps held the range), `owner` is the
+                // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and
+                // the block stays alive, unmoved and untouched through `&mut` while views of it
+                // live: it is prepared only with no array's view alive (kept views touch only
+                // their own state until dropped, by the lock holder, before the block goes), and
+                // freed only once no view is (`views() == 0` and kept views dropped before
+                // retirement, `shared` reaching 0 after).
+                unsafe { counts.block.view(owner, offset, span) }?
             }
         };
+        debug_assert!(0 < bytes && bytes <= span);
+        // SAFETY: the view was made at `offset` over the rest of the block, `span >= bytes`
+        // bytes (`bytes` fit there): just now, or before it was kept idle at that offset.
+        unsafe { view.set_view_len(bytes) };
         counts.count_view();
         let size = aligned(bytes).unwrap_or(bytes);
         self.in_use += size;
@@ -265,6 +331,10 @@ impl Plan {
             // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
             let bytes = unsafe { arena.as_ref() }.block.bytes();
             self.gaps = Some(Gaps::new(bytes, self.layout.live_ranges()));
+            // The gaps hand out offsets, not positions: the positions' idle views go loose.
+            for (offset, view) in self.take_views() {
+                self.park(offset, view);
+            }
         }
         Ok(())
     }
@@ -273,6 +343,18 @@ impl Plan {
 /// No view kept for any of `layout`'s positions.
 fn no_views(layout: &Layout) -> Vec<Option<Block>> {
     std::iter::repeat_with(|| None).take(layout.len()).collect()
+}
+
+/// Idle views taken out of a plan, with their offsets in its block.
+type KeptViews = Vec<(usize, Block)>;
+
+/// Drops views kept for positions.
+fn drop_views(views: impl IntoIterator<Item = Block>) {
+    for view in views {
+        // SAFETY: a kept view was made by `Block::view`, is no array's, and its block is alive
+        // (kept views are dropped before their block leaves the plan).
+        unsafe { view.drop_view() };
+    }
 }
 
 /// What a recorded event says of a buffer (a view or a block): its bytes, address, device and
@@ -455,11 +537,13 @@ impl DeviceArena {
         if plan.block_in_use() {
             return false;
         }
+        let views = plan.take_views();
         let block = plan.take_block();
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
         let Some((b, in_use)) = block else {
+            drop_views(views.into_iter().map(|(_, v)| v));
             return false;
         };
         // SAFETY: a plan's block is the cache's until detached.
@@ -468,8 +552,10 @@ impl DeviceArena {
             // threads, and its bytes may be handed out again, so they are cached again.
             cached(st, self.gauge, in_use);
             plan.block = Some(b);
+            plan.keep_views(views);
             return false;
         }
+        drop_views(views.into_iter().map(|(_, v)| v));
         self.detach(st, b, in_use)
     }
 
@@ -582,7 +668,9 @@ impl DeviceArena {
             let smaller = |old: &Layout| old.footprint > layout.footprint + layout.footprint / 4;
             let keep_old =
                 !same || !self.outgrew && old.as_ref().is_some_and(|p| smaller(&p.layout));
+            let mut views = KeptViews::new();
             let block = old.and_then(|mut old| {
+                views = old.take_views();
                 let block = old.take_block();
                 if keep_old {
                     self.shelve(old.layout);
@@ -600,10 +688,13 @@ impl DeviceArena {
                     cached(st, self.gauge, in_use);
                     keep = Some(b);
                 } else {
+                    drop_views(std::mem::take(&mut views).into_iter().map(|(_, v)| v));
                     retired += usize::from(self.detach(st, b, in_use));
                 }
             }
-            self.plan = Some(Plan::new(layout, keep));
+            let mut plan = Plan::new(layout, keep);
+            plan.keep_views(views);
+            self.plan = Some(plan);
         } else if tainted && let Some(plan) = &mut self.plan {
             plan.tainted = false;
             if let Some((b, in_use)) = plan.take_block() {
@@ -815,8 +906,9 @@ impl CacheState {
             self.live += usize::from(a.release_unused_block(st));
             return None;
         };
+        let kept = plan.loose.remove(&offset);
         Some(
-            match plan.counted_view(st, a.gauge, arena, (offset, req.bytes), None) {
+            match plan.counted_view(st, a.gauge, arena, offset, req.bytes, kept) {
                 Ok(view) => {
                     add(&st.hits, 1);
                     Planned::View(view, gap_slot(rec), a.step)
@@ -1051,25 +1143,33 @@ impl CacheState {
                     cached(st, a.gauge, size);
                     rec = if pos >= GAP_BASE {
                         // Served from a gap: its range is free again (unless another stream
-                        // may still use it: then it stays taken through the step).
+                        // may still use it: then it stays taken through the step), and its view
+                        // idle there.
                         let rec = pos - GAP_BASE;
                         if tainted {
                             plan.tainted = true;
-                        } else if let Some(gaps) = &mut plan.gaps {
-                            gaps.give_back(rec, size);
+                        } else if let Some(offset) =
+                            plan.gaps.as_mut().and_then(|g| g.give_back(rec, size))
+                            && let Some(view) = view.take()
+                        {
+                            plan.park(offset, view);
                         }
                         rec
                     } else if tainted {
                         plan.tainted = true;
                         plan.layout.rec_of(pos)
                     } else {
-                        // Kept for the position's next array.
-                        if let Some(kept) = plan.views.get_mut(pos as usize) {
-                            std::mem::swap(kept, &mut view);
-                        }
+                        let range = plan.layout.range(pos);
                         if let Some(gaps) = &mut plan.gaps {
-                            // Alive when the step left the plan: its bytes join the gaps.
-                            gaps.free(plan.layout.range(pos));
+                            // Alive when the step left the plan: its bytes join the gaps, and
+                            // its view goes loose.
+                            gaps.free(range.clone());
+                            if let Some(view) = view.take() {
+                                plan.park(range.start, view);
+                            }
+                        } else if let Some(kept) = plan.views.get_mut(pos as usize) {
+                            // Kept for the position's next array.
+                            std::mem::swap(kept, &mut view);
                         }
                         plan.layout.dropped(pos)
                     };

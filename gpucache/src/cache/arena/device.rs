@@ -2,6 +2,7 @@
 //! the spares (data only; the `arena` module holds what is done with it). It sits below the
 //! cache state, which holds one [`Arenas`].
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::block::BlockPtr;
@@ -28,8 +29,12 @@ pub(in crate::cache) struct Plan {
     pub(super) gaps: Option<Gaps>,
     /// Per position, the view its last array dropped, kept for the next array there (a cudarc
     /// view is a `CudaSlice` with events of its own: made once, not every step). Views of the
-    /// block, but no array's: not counted as alive.
+    /// block, but no array's: not counted as alive. A view spans from its offset to the end of
+    /// the block, so any array at that offset can use it.
     pub(super) views: Vec<Option<Block>>,
+    /// Idle views at offsets that are no position's, or dropped in a step that left the plan:
+    /// by offset, for the arrays the block's gaps (or the next layout's positions) put there.
+    pub(super) loose: HashMap<usize, Block>,
 }
 
 /// A plan of another kind of step than the current plan's, kept (without a block: the current

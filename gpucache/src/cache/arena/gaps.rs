@@ -65,14 +65,12 @@ impl Gaps {
     }
 
     /// The array of allocation `rec`, of `size` bytes, dropped: its range is free again.
-    /// Returns whether `rec` had a range.
-    pub(super) fn give_back(&mut self, rec: u32, size: usize) -> bool {
-        let Ok(i) = self.taken.binary_search_by_key(&rec, |&(r, _)| r) else {
-            return false;
-        };
+    /// Returns the range's offset, if `rec` had one.
+    pub(super) fn give_back(&mut self, rec: u32, size: usize) -> Option<usize> {
+        let i = self.taken.binary_search_by_key(&rec, |&(r, _)| r).ok()?;
         let (_, offset) = self.taken.remove(i);
         self.free.free_range(offset..offset + size);
-        true
+        Some(offset)
     }
 
     /// The bytes of a position alive at the divergence, `range`, are free again.
@@ -113,10 +111,10 @@ mod tests {
         g.free(600..1000);
         assert_eq!(g.take(1, 400), Some(0));
         assert_eq!(g.take(2, 400), Some(600));
-        assert!(g.give_back(1, 400));
-        assert!(!g.give_back(1, 400), "a range is given back once");
+        assert!(g.give_back(1, 400).is_some());
+        assert!(g.give_back(1, 400).is_none(), "a range is given back once");
         g.free(400..600);
-        assert!(g.give_back(2, 400));
+        assert!(g.give_back(2, 400).is_some());
         assert_eq!(g.take(3, 1000), Some(0), "the three ranges are one again");
     }
 }

@@ -16,7 +16,8 @@
 //!    array owns (this thread's for that device, then every thread's) and it retries once;
 //! 5. the cache accounts the new buffer ([`CacheCell::adopt`]).
 //!
-//! Zeroing is decided once per allocation, from its [`Init`] and element type ([`Zeroing`]).
+//! Zeroing is decided once per allocation, from its [`Init`] and element type
+//! ([`Init::must_zero`]).
 //! A drop goes the other way ([`release`]): to a step graph run that holds its buffers, else
 //! back to the buffer's cache, or to the device.
 
@@ -38,26 +39,16 @@ pub(crate) enum Init {
     Overwritten,
 }
 
-/// Which buffers an allocation must zero.
-#[derive(Clone, Copy)]
-pub(crate) struct Zeroing {
-    /// A recycled buffer: when asked, or when its old bytes may not be valid for the element
-    /// type.
-    pub(crate) recycled: bool,
-    /// A new buffer from the device: unless it is about to be overwritten.
-    pub(crate) fresh: bool,
-}
-
 impl Init {
-    /// What to zero for an array of an element type for which every bit pattern is valid
-    /// (`any_bit_pattern`) or not.
+    /// Whether the array's buffer must be zeroed, new or recycled: when asked, or when not
+    /// every bit pattern is valid for its element type (`any_bit_pattern` false: `bool`) and it
+    /// is not about to be overwritten. Any other buffer is handed out as it is: a recycled one
+    /// with what its last array left in it, a new device buffer with what the device gives
+    /// (memory the process may have used before, as a recycled buffer). Host memory is always
+    /// zeroed by its backend, so that reading it is never undefined behaviour.
     #[inline(always)]
-    pub(crate) const fn zeroing(self, any_bit_pattern: bool) -> Zeroing {
-        Zeroing {
-            recycled: matches!(self, Init::Zeroed)
-                || (matches!(self, Init::Any) && !any_bit_pattern),
-            fresh: !matches!(self, Init::Overwritten),
-        }
+    pub(crate) const fn must_zero(self, any_bit_pattern: bool) -> bool {
+        matches!(self, Init::Zeroed) || (matches!(self, Init::Any) && !any_bit_pattern)
     }
 }
 
@@ -78,28 +69,35 @@ pub(crate) fn plan_hit(req: &Request<'_>) -> Option<(Block, Home)> {
 
 /// The allocation when [`hit`] found nothing (see the module docs for the steps). `None` for
 /// a zero-size array.
-pub(crate) fn alloc_slow(req: &Request<'_>, zeroing: Zeroing) -> Result<Option<Got>> {
+pub(crate) fn alloc_slow(req: &Request<'_>, zero: bool) -> Result<Option<Got>> {
     if req.bytes == 0 {
         backend::check_device(req.device)?;
         return Ok(None);
     }
     scope::with_current(|cache| {
         let Some(cache) = cache else {
-            let block = device_alloc(req, None, req.bytes, zeroing.fresh)?;
+            let block = device_alloc(req, None, req.bytes, zero)?;
             return Ok(Some(Got::Fresh(block, None)));
         };
-        let (capacity, shared) = match cache.take(req) {
+        let (capacity, view) = match cache.take(req) {
             Take::Hit(block, home) => return Ok(Some(Got::Recycled(block, home))),
             Take::Failed(e) => return Err(e),
             Take::Bypass => {
-                let block = device_alloc(req, Some(cache), req.bytes, zeroing.fresh)?;
+                let block = device_alloc(req, Some(cache), req.bytes, zero)?;
                 return Ok(Some(Got::Fresh(block, None)));
             }
-            Take::Miss { capacity, shared } => (capacity, shared),
+            Take::Miss { capacity, view } => (capacity, view),
         };
-        // A block shared by views is handed out as recycled memory: it starts zeroed.
-        let block = device_alloc(req, Some(cache), capacity, zeroing.fresh || shared)?;
-        cache.adopt(req, block).map(Some)
+        // A block that reaches the array as a view is zeroed as a recycled buffer is (by the
+        // array, when asked), not as a whole.
+        let block = device_alloc(req, Some(cache), capacity, zero && !view)?;
+        match cache.adopt(req, block)? {
+            Got::Fresh(mut block, home) if view && zero => {
+                block.zero(req.bytes)?;
+                Ok(Some(Got::Fresh(block, home)))
+            }
+            got => Ok(Some(got)),
+        }
     })
 }
 

@@ -49,9 +49,11 @@ impl<T: Element> Array<T> {
     }
 
     /// An array of `shape` on `device` whose contents are unspecified but initialised: a
-    /// recycled buffer keeps what its last array left in it, a new one is zeroed. Never
-    /// undefined behaviour to read (`bool` arrays, for which not every byte is valid, are always
-    /// zeroed).
+    /// recycled buffer keeps what its last array left in it; a new host buffer is zeroed, a new
+    /// device buffer holds what the device gives (as `torch.empty`: memory the process may have
+    /// used before, never memset). Never undefined behaviour to read: host memory is always
+    /// initialised, device memory is read only by copies, and `bool` arrays, for which not
+    /// every byte is valid, are always zeroed.
     ///
     /// # Errors
     /// As [`Array::zeros`].
@@ -87,13 +89,13 @@ impl<T: Element> Array<T> {
     #[inline]
     fn alloc(device: Device, shape: Shape, init: Init) -> Result<Self> {
         let bytes = shape.byte_len(T::DTYPE)?;
-        let zeroing = init.zeroing(T::ANY_BIT_PATTERN);
+        let zero = init.must_zero(T::ANY_BIT_PATTERN);
         if bytes != 0
             && let Some((block, home)) = alloc::hit(&Self::request(&shape, device, bytes))
         {
-            return Self::recycled(block, home, shape, device, bytes, zeroing.recycled);
+            return Self::recycled(block, home, shape, device, bytes, zero);
         }
-        Self::alloc_slow(device, shape, bytes, zeroing)
+        Self::alloc_slow(device, shape, bytes, zero)
     }
 
     /// What an allocation of `bytes` bytes of `shape` on `device` asks a cache for.
@@ -109,21 +111,16 @@ impl<T: Element> Array<T> {
 
     /// The allocation when the hit path found nothing.
     #[inline(never)]
-    fn alloc_slow(
-        device: Device,
-        shape: Shape,
-        bytes: usize,
-        zeroing: alloc::Zeroing,
-    ) -> Result<Self> {
+    fn alloc_slow(device: Device, shape: Shape, bytes: usize, zero: bool) -> Result<Self> {
         let req = Self::request(&shape, device, bytes);
         if bytes != 0
             && let Some((block, home)) = alloc::plan_hit(&req)
         {
-            return Self::recycled(block, home, shape, device, bytes, zeroing.recycled);
+            return Self::recycled(block, home, shape, device, bytes, zero);
         }
-        match alloc::alloc_slow(&req, zeroing)? {
+        match alloc::alloc_slow(&req, zero)? {
             Some(Got::Recycled(block, home)) => {
-                Self::recycled(block, home, shape, device, bytes, zeroing.recycled)
+                Self::recycled(block, home, shape, device, bytes, zero)
             }
             Some(Got::Fresh(block, home)) => Ok(Self::assemble(Some(block), home, shape, device)),
             None => Ok(Self::assemble(None, None, shape, device)),

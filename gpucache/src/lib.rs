@@ -272,7 +272,12 @@
 //!   [`KeyPolicy::SizeClass`], which is sound only for plain types.
 //! * Host memory is always initialised (new buffers are zeroed), so [`Array::empty`] is never
 //!   undefined behaviour to read. Host buffers of 1 MiB and more are `mmap`ed directly, so they
-//!   are zeroed lazily by the kernel.
+//!   are zeroed lazily by the kernel. Device memory is never memset for `empty` (as
+//!   `torch.empty`): a new device buffer holds what the device gives, memory the process may
+//!   have used before, which is read only through copies. `zeros` and `bool` arrays (not every
+//!   byte is a `bool`) zero their own bytes, also when they get part of a planned cache's block,
+//!   which is never zeroed as a whole. Replaying the varying-batch logs on an H200, the memsets
+//!   of new blocks had been half of the planned cache's host time per step.
 //! * [`invalidate`] empties the free lists but keeps the cache's table of keys (a few dozen
 //!   bytes per distinct key), so that the buffers of arrays still alive always know their free
 //!   list. A thread's cache names likewise live as long as the thread.

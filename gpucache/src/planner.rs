@@ -227,9 +227,17 @@ mod tests {
     fn random_lives(rng: &mut fastrand::Rng, n: usize, degenerate: bool) -> Vec<Lifetime> {
         (0..n)
             .map(|i| {
-                let start = if rng.bool() { i as u32 } else { rng.u32(0..n as u32) };
+                let start = if rng.bool() {
+                    i as u32
+                } else {
+                    rng.u32(0..n as u32)
+                };
                 let long = rng.u8(0..8) == 0;
-                let len = if long { rng.u32(0..n as u32) } else { rng.u32(1..4) };
+                let len = if long {
+                    rng.u32(0..n as u32)
+                } else {
+                    rng.u32(1..4)
+                };
                 let end = if degenerate && rng.u8(0..10) == 0 {
                     start.saturating_sub(rng.u32(0..2))
                 } else {

@@ -44,6 +44,7 @@ pub struct CountingBackend {
     host: CpuBackend,
     attempts: AtomicU64,
     allocs: AtomicU64,
+    zeroed: AtomicU64,
     frees: AtomicU64,
     failures: AtomicU64,
     outstanding_bytes: AtomicUsize,
@@ -95,6 +96,14 @@ impl CountingBackend {
         self.allocs.load(SeqCst)
     }
 
+    /// Successful allocations that asked for zeroed memory: those a device backend would
+    /// memset (host memory is zeroed whatever is asked). A new buffer is zeroed only for an
+    /// array that must be (`zeros`, or `bool` elements), and an arena block, whose arrays get
+    /// views, never as a whole: each array that must be zeroes its own bytes.
+    pub fn zeroed_allocs(&self) -> u64 {
+        self.zeroed.load(SeqCst)
+    }
+
     /// Frees so far.
     pub fn frees(&self) -> u64 {
         self.frees.load(SeqCst)
@@ -142,6 +151,7 @@ impl fmt::Debug for CountingBackend {
         f.debug_struct("CountingBackend")
             .field("attempts", &self.attempts())
             .field("allocs", &self.allocs())
+            .field("zeroed_allocs", &self.zeroed_allocs())
             .field("frees", &self.frees())
             .field("failures", &self.failures())
             .field("outstanding_bytes", &self.outstanding_bytes())
@@ -161,6 +171,7 @@ impl Backend for CountingBackend {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
         })?;
         self.allocs.fetch_add(1, SeqCst);
+        self.zeroed.fetch_add(u64::from(zeroed), SeqCst);
         Ok(storage)
     }
 

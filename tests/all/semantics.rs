@@ -93,6 +93,24 @@ common::device_tests! {
         assert!(all_eq(&b, false), "bool arrays never expose recycled bytes");
     }
 
+    fn new_planned_blocks_over_used_memory_still_give_zeros_and_false(dev, name) {
+        common::configure(name, |c| c.key = KeyPolicy::Planned);
+        for step in 0..3 {
+            // Memory the device hands out again (on CUDA, its stream-ordered pool): dirty.
+            drop((0..4).map(|_| filled(dev, 0xABu8, 4 * N)).collect::<Vec<_>>());
+            let _scope = enter(name);
+            // A new block each step: solo blocks in the first, the plan's in the second, and
+            // (the first array growing) solo blocks again in the third; never zeroed as a whole.
+            let z = Array::<f32>::zeros(dev, N * (1 + step)).unwrap();
+            let b = Array::<bool>::empty(dev, 4 * N).unwrap();
+            let e = Array::<u8>::empty(dev, 4 * N).unwrap();
+            assert!(all_eq(&z, 0.0), "step {step}: zeros on a new block");
+            assert!(all_eq(&b, false), "step {step}: bools on a new block");
+            assert_eq!(e.len(), 4 * N);
+        }
+        assert!(stats(name).device_allocs >= 3, "new blocks were made");
+    }
+
     fn escaped_array_is_never_recycled_while_alive_and_comes_home(dev, name) {
         let kept = escaping_step(dev, name, 42.0);
         for step in 0..10 {
@@ -434,4 +452,44 @@ fn arrays_are_unwind_safe() {
     assert_eq!(read.unwrap(), [0.0; 4]);
     let moved = std::panic::catch_unwind(move || a.len());
     assert_eq!(moved.unwrap(), 4);
+}
+
+#[test]
+fn new_memory_is_asked_zeroed_only_for_arrays_that_must_be() {
+    let (backend, _installed) = common::counting();
+    let zeroed = || backend.zeroed_allocs();
+    // Outside any scope: each array's own buffer.
+    let _any = Array::<f32>::empty(Device::Cpu, N).unwrap();
+    let _copy = Array::from_slice(Device::Cpu, &[1u8, 2, 3], 3).unwrap();
+    assert_eq!(
+        zeroed(),
+        0,
+        "empty and from_slice leave new memory as it is"
+    );
+    let _z = Array::<f32>::zeros(Device::Cpu, N).unwrap();
+    let _b = Array::<bool>::empty(Device::Cpu, N).unwrap();
+    assert_eq!(zeroed(), 2, "zeros, and bools (not every byte is one)");
+    // A planned cache's blocks reach their arrays as views: never zeroed as a whole, each array
+    // that must be zeroes its own bytes.
+    let name = "new-memory-zeroed-planned";
+    common::configure(name, |c| c.key = KeyPolicy::Planned);
+    for _ in 0..3 {
+        let _scope = enter(name);
+        let z = Array::<f32>::zeros(Device::Cpu, N).unwrap();
+        let b = Array::<bool>::empty(Device::Cpu, N).unwrap();
+        assert!(all_eq(&z, 0.0) && all_eq(&b, false));
+    }
+    assert!(
+        stats(name).device_allocs >= 3,
+        "solo blocks, then the plan's"
+    );
+    assert_eq!(zeroed(), 2, "no arena block asked zeroed");
+    // A free-list cache's new buffer is the array's own.
+    let name = "new-memory-zeroed-exact";
+    common::configure(name, |c| c.key = KeyPolicy::Exact);
+    let _scope = enter(name);
+    let _z = Array::<f32>::zeros(Device::Cpu, N).unwrap();
+    let _e = Array::<f32>::empty(Device::Cpu, 2 * N).unwrap();
+    assert_eq!(zeroed(), 3);
+    gpucache::invalidate("new-memory-zeroed-planned");
 }

@@ -186,11 +186,10 @@ fn zeros_zeroes_a_recycled_buffer_on_the_gpu(dev: Device) -> TestResult {
         // `empty` hands the recycled buffer out as it is: the kernel's sevens are still there.
         let _scope = enter("cuda-zeros");
         let b = Array::<f32>::empty(dev, n)?;
+        // (Without caching it is a new buffer, holding whatever the device gives: not memset.)
         if caching() {
             assert_eq!(addr(&b), first);
             assert!(b.to_vec()?.iter().all(|&v| v == 7.0));
-        } else {
-            assert!(b.to_vec()?.iter().all(|&v| v == 0.0)); // a fresh buffer is zeroed
         }
     }
     {

@@ -397,10 +397,11 @@ impl BufferNote {
 enum Planned {
     /// A view, with its home's `slot` and step.
     View(Block, u32, u32),
-    /// Allocate a block of `capacity` bytes and pass it to [`CacheCell::adopt`].
+    /// Allocate a block of `capacity` bytes and pass it to [`CacheCell::adopt`] (a block the
+    /// array gets a view of, when `view`).
     Alloc {
         capacity: usize,
-        shared: bool,
+        view: bool,
     },
     /// The cache tracks its most devices: allocate without it.
     Bypass,
@@ -745,7 +746,7 @@ impl CacheState {
             // No block can hold it; the device will say so.
             return Planned::Alloc {
                 capacity: req.bytes,
-                shared: false,
+                view: false,
             };
         };
         let Some(i) = self.arena_for(st, req.device) else {
@@ -832,7 +833,7 @@ impl CacheState {
         a.awaiting = Some(Awaiting::Solo { pos });
         Planned::Alloc {
             capacity,
-            shared: false,
+            view: true,
         }
     }
 
@@ -856,7 +857,7 @@ impl CacheState {
             a.awaiting = Some(Awaiting::Plan { pos, offset, rec });
             return Planned::Alloc {
                 capacity: plan.layout.footprint,
-                shared: true,
+                view: true,
             };
         };
         match plan.make_ready(arena) {
@@ -868,7 +869,7 @@ impl CacheState {
                 a.awaiting = Some(Awaiting::Solo { pos: rec });
                 return Planned::Alloc {
                     capacity: aligned(req.bytes).unwrap_or(req.bytes),
-                    shared: false,
+                    view: true,
                 };
             }
             Err(e) => {
@@ -1308,7 +1309,7 @@ impl CacheCell {
                 }
                 Take::Hit(view, self.home(slot, step))
             }
-            Planned::Alloc { capacity, shared } => Take::Miss { capacity, shared },
+            Planned::Alloc { capacity, view } => Take::Miss { capacity, view },
             Planned::Bypass => Take::Bypass,
             Planned::Failed(e) => Take::Failed(e),
         }

@@ -126,9 +126,9 @@ pub(crate) enum Take {
     /// A recycled buffer, now busy.
     Hit(Block, Home),
     /// None free: allocate a buffer of `capacity` bytes and [`CacheCell::adopt`] it. With
-    /// `shared`, the buffer is an arena block whose views are handed out as recycled memory,
-    /// so it must start zeroed, whatever this allocation asked.
-    Miss { capacity: usize, shared: bool },
+    /// `view`, the buffer is an arena block that reaches the array as a view, zeroed (when the
+    /// array asks) as recycled memory is, not as a whole.
+    Miss { capacity: usize, view: bool },
     /// The cache cannot take more keys (2^32 of them) or devices: allocate without it.
     Bypass,
     /// Preparing a recycled buffer failed.
@@ -524,7 +524,7 @@ impl CacheCell {
                 }
                 None => Take::Miss {
                     capacity: state.config.key.capacity(req.bytes),
-                    shared: false,
+                    view: false,
                 },
             },
         }

@@ -276,8 +276,8 @@
 //!   `torch.empty`): a new device buffer holds what the device gives, memory the process may
 //!   have used before, which is read only through copies. `zeros` and `bool` arrays (not every
 //!   byte is a `bool`) zero their own bytes, also when they get part of a planned cache's block,
-//!   which is never zeroed as a whole. Replaying the varying-batch logs on an H200, the memsets
-//!   of new blocks had been half of the planned cache's host time per step.
+//!   which is never zeroed as a whole. (Replaying the BERT log on an H200, the memsets of new
+//!   blocks had been more than half of the planned cache's host time per step.)
 //! * [`invalidate`] empties the free lists but keeps the cache's table of keys (a few dozen
 //!   bytes per distinct key), so that the buffers of arrays still alive always know their free
 //!   list. A thread's cache names likewise live as long as the thread.

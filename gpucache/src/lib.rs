@@ -183,7 +183,8 @@
 //!   the block's free bytes while they hold it.
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
 //!   plan each, up to four, sharing the block: a step's first allocation picks the plan made
-//!   for steps like it.
+//!   for steps like it. A step that follows its plan and ends early (evaluation after training,
+//!   both beginning with the same forward pass) is served by that plan.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
 //!   step, its block is kept for the next such array through the end of the next step (a cache

@@ -334,6 +334,57 @@ fn prompt_and_decoding_steps_alternating_in_one_scope_keep_a_plan_each() {
     );
 }
 
+/// A model's step: its forward pass makes `activations` arrays; a training step keeps them for
+/// its backward pass, which makes a gradient per activation (each dying at once), an evaluation
+/// step drops each activation when the next is made. Returns the addresses.
+fn model_step(name: &str, training: bool) -> Vec<usize> {
+    let _scope = gpucache::enter(name);
+    let mut addrs = Vec::new();
+    let mut kept = Vec::new();
+    let mut last = None;
+    for i in 0..6u8 {
+        let a = filled(DEV, i, 4096 * (1 + usize::from(i % 3)));
+        addrs.push(addr(&a));
+        if training {
+            kept.push(a);
+        } else {
+            last = Some(a);
+        }
+    }
+    drop(last);
+    for (i, a) in kept.iter().enumerate().rev() {
+        let g = filled(DEV, 100 + i as u8, a.len());
+        assert!(common::all_eq(&g, 100 + i as u8) && common::all_eq(a, i as u8));
+        addrs.push(addr(&g));
+    }
+    addrs
+}
+
+#[test]
+fn training_and_evaluation_steps_alternating_in_one_scope_settle() {
+    let _serial = serial();
+    let name = "planned-train-eval";
+    let (backend, _installed) = planned(name, None);
+    let mut settled = None;
+    for round in 0..6 {
+        let train = model_step(name, true);
+        let eval = model_step(name, false);
+        assert_eq!(eval.len(), 6);
+        if round == 2 {
+            settled = Some((backend.allocs(), train, eval));
+        } else if let Some((allocs, t, e)) = &settled {
+            assert_eq!(
+                backend.allocs(),
+                *allocs,
+                "round {round}: no device allocation"
+            );
+            assert_eq!((&train, &eval), (t, e), "round {round}: the same addresses");
+        }
+    }
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
 /// A step that returns an array (it escapes), after a scratch array that dies in the step.
 fn escaping(name: &str, value: u8) -> Array<u8> {
     let _scope = gpucache::enter(name);

@@ -36,7 +36,9 @@
 //! first allocation fits it most tightly is switched in (only when no array uses the block: a
 //! plan knows only its own arrays' positions). A step of the same kind whose plan comes out much
 //! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
-//! The block is kept while the plans fit it; a step that outgrows it gives it back.
+//! The block is kept while the plans fit it; a step that outgrows it gives it back. A step that
+//! follows its plan in order and ends early (an evaluation step that begins as the training
+//! step it alternates with) is not planned again: the plan holds it.
 //!
 //! Arrays that outlive their step (apart) are matched by position too. One apart in the
 //! recorded step and not near the request's size is skipped only when a later position is near

@@ -418,15 +418,16 @@ impl Layout {
     }
 
     /// The step ended: every position still alive is overdue (it is in the way of the next
-    /// step's positions over it until it drops). Returns whether the step matched the plan to
-    /// its end, with no position skipped.
+    /// step's positions over it until it drops). Returns whether the step matched the plan with
+    /// no position skipped, to its end or to a position before it (a prefix of the recorded
+    /// step: an evaluation step after a training step that begins as it does).
     pub(super) fn end_step(&mut self) -> bool {
         for p in 0..self.spots.len() as u32 {
             if self.spots[p as usize].live {
                 self.make_overdue(p);
             }
         }
-        let whole = !self.skipped && self.cursor as usize == self.spots.len();
+        let whole = !self.skipped && self.cursor > 0;
         self.cursor = 0;
         self.ticked = 0;
         self.skipped = false;

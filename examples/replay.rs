@@ -3,7 +3,9 @@
 //! gpucache configuration of `replay::CONFIGS`, in the recorded scopes, and, on CUDA, through the
 //! device's stream-ordered memory pool (cuMemAllocAsync / cuMemFreeAsync) with its release
 //! threshold at 0 (cudarc's default) and at `u64::MAX`; on the CPU through the bare host
-//! allocator instead.
+//! allocator instead. gpucache's own device allocations go to that pool at threshold 0 (what a
+//! program gets unless it sets the threshold); on CUDA the planned cache is also replayed over
+//! the pool at threshold max, its memory then the pool's reserved high-water mark.
 //!
 //! ```text
 //! cargo run --release --example replay -- tests/fixtures/gpt2_train.csv.gz cpu 7
@@ -85,6 +87,13 @@ fn variants(dev: Device) -> Vec<Variant> {
         .map(|(name, cfg)| (format!("gpucache {name}"), Mode::Configured(*cfg)))
         .collect();
     if dev.is_cuda() {
+        v.push((
+            "gpucache planned, pool threshold max".into(),
+            Mode::ConfiguredOverPool {
+                config: CONFIGS[0].1,
+                threshold: u64::MAX,
+            },
+        ));
         v.push(("pool threshold 0".into(), Mode::Pool { threshold: 0 }));
         v.push((
             "pool threshold max".into(),
@@ -206,7 +215,7 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
             continue;
         }
         let first = &v.replays[0];
-        let peak = if matches!(v.mode, Mode::Pool { .. }) {
+        let peak = if matches!(v.mode, Mode::Pool { .. } | Mode::ConfiguredOverPool { .. }) {
             v.replays.iter().map(|r| r.peak_bytes).max().unwrap_or(0)
         } else {
             first.peak_bytes

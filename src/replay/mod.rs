@@ -237,8 +237,19 @@ pub fn read(path: &Path) -> Result<Vec<Op>> {
 pub enum Mode {
     /// Through gpucache, in the recorded scopes, as the caches are configured.
     Gpucache,
-    /// Through gpucache, every cache of the log configured so first (see [`CONFIGS`]).
+    /// Through gpucache, every cache of the log configured so first (see [`CONFIGS`]). On CUDA
+    /// its device allocations go to the device's default pool at cudarc's release threshold, 0:
+    /// memory freed is unmapped at each step's synchronisation.
     Configured(CacheConfig),
+    /// CUDA only: as `Configured`, over the default pool with its release threshold at
+    /// `threshold` bytes (trimmed first); the peak is the pool's reserved high-water mark (what
+    /// the pool keeps of gpucache's freed blocks is held too).
+    ConfiguredOverPool {
+        /// The caches' configuration.
+        config: CacheConfig,
+        /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+        threshold: u64,
+    },
     /// Straight to the backend: host memory (64-byte aligned) or cudarc's stream-ordered
     /// allocation (`cuMemAllocAsync`) on the device's default stream, uninitialised, no cache.
     Bare,
@@ -440,8 +451,11 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
         Cached(Array<u8>),
         Bare(Bare, usize),
     }
-    let cached = matches!(mode, Mode::Gpucache | Mode::Configured(_));
-    if let Mode::Configured(config) = mode {
+    let cached = matches!(
+        mode,
+        Mode::Gpucache | Mode::Configured(_) | Mode::ConfiguredOverPool { .. }
+    );
+    if let Mode::Configured(config) | Mode::ConfiguredOverPool { config, .. } = mode {
         let mut names: Vec<&str> = ops
             .iter()
             .filter_map(|op| match op {
@@ -457,8 +471,12 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
     }
     match mode {
         #[cfg(feature = "cuda")]
-        Mode::Pool { threshold } if dev.is_cuda() => pool::reset(dev, threshold)?,
-        Mode::Pool { .. } => return Err("the pool replay needs a CUDA device".into()),
+        Mode::Pool { threshold } | Mode::ConfiguredOverPool { threshold, .. } if dev.is_cuda() => {
+            pool::reset(dev, threshold)?;
+        }
+        Mode::Pool { .. } | Mode::ConfiguredOverPool { .. } => {
+            return Err("the pool replay needs a CUDA device".into());
+        }
         // gpucache allocates from the same pool: at cudarc's default threshold, from cold.
         #[cfg(feature = "cuda")]
         Mode::Configured(_) | Mode::Bare if dev.is_cuda() => pool::reset(dev, 0)?,
@@ -555,7 +573,7 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
     sync()?;
     let seconds = start.elapsed().as_secs_f64();
     #[cfg(feature = "cuda")]
-    if let Mode::Pool { .. } = mode {
+    if let Mode::Pool { .. } | Mode::ConfiguredOverPool { .. } = mode {
         peak = usize::try_from(pool::peak(dev)?)?;
     }
     Ok(Replay {

@@ -1,6 +1,7 @@
 //! What the random-program tests share (`prop_programs`, `prop_planned`): the programs' three
 //! cache names, the shapes they allocate and how names and array types are drawn, how a shrunk
-//! program prints, the number of programs, and the threads a program runs on.
+//! program prints, the number of programs, the threads a program runs on, the checks of live
+//! arrays and of the backend's counts, and the clean-up after a program ([`ProgramWorld`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread;
 
 use gpucache::testing::{CountingBackend, use_backend};
-use gpucache_suite::common::pattern::{AnyArray, Dt};
+use gpucache_suite::common::pattern::{AnyArray, Dt, first_overlap};
 use proptest::prelude::*;
 use proptest::sample::select;
 
@@ -140,3 +141,150 @@ pub fn run_on_fresh_threads(
     assert_eq!(backend.outstanding_bytes(), 0, "{backend:?}");
     assert_eq!(backend.allocs(), backend.frees(), "{backend:?}");
 }
+
+/// The arrays a program allocated outside any scope (their bytes come from the device
+/// directly): the bytes of those alive, and their allocations and frees.
+#[derive(Debug, Default)]
+pub struct Outside {
+    pub bytes: usize,
+    pub allocs: u64,
+    pub frees: u64,
+}
+
+impl Outside {
+    /// One of `bytes` bytes was allocated.
+    pub fn alloc(&mut self, bytes: usize) {
+        self.bytes += bytes;
+        self.allocs += 1;
+    }
+
+    /// One of `bytes` bytes was freed.
+    pub fn free(&mut self, bytes: usize) {
+        self.bytes -= bytes;
+        self.frees += 1;
+    }
+}
+
+/// Checks that every live array still holds its pattern and that no two share storage: `live`
+/// gives each one's array, id and the bytes its buffer spans.
+pub fn check_arrays<'a>(live: impl Iterator<Item = (&'a AnyArray, u64, usize)>, when: &str) {
+    let mut ranges = Vec::new();
+    for (array, id, bytes) in live {
+        assert!(array.holds(id), "array {id} lost its pattern {when}");
+        if let Some(addr) = array.addr() {
+            ranges.push((addr, bytes, id));
+        }
+    }
+    if let Some((a, b)) = first_overlap(&mut ranges) {
+        panic!("arrays {a} and {b} share storage {when}");
+    }
+}
+
+/// Checks that the backend holds `held` bytes and made `allocs` allocations and `frees` frees:
+/// what the caches and the arrays outside any scope account for.
+pub fn check_backend(backend: &CountingBackend, held: usize, allocs: u64, frees: u64, when: &str) {
+    assert_eq!(
+        backend.outstanding_bytes(),
+        held,
+        "the caches' bytes and the backend's {when}\n{}",
+        gpucache::summary()
+    );
+    assert_eq!(
+        (backend.allocs(), backend.frees()),
+        (allocs, frees),
+        "the caches' device allocations and frees and the backend's {when}"
+    );
+}
+
+/// A random program's world: the real state (scope guards, live arrays) and its checks.
+pub trait ProgramWorld {
+    /// Drops the newest live array here; `false` when none is alive.
+    fn drop_newest(&mut self) -> bool;
+    /// How many scopes are entered.
+    fn scope_depth(&self) -> usize;
+    /// Exits the scope entered at `depth` (0: the outermost), which may not be the innermost.
+    fn exit_scope(&mut self, depth: usize);
+    /// Invalidates `name`, as a program's operation does.
+    fn invalidate(&mut self, name: Name);
+    /// Empties every cache, as a program's operation does.
+    fn empty_cache(&mut self);
+    /// Checks every invariant (`when` says where, for the message).
+    fn check(&self, when: &str);
+    /// The program's backend.
+    fn backend(&self) -> &CountingBackend;
+
+    /// Exits the innermost scope; `false` when none is entered.
+    fn exit_innermost(&mut self) -> bool {
+        let Some(depth) = self.scope_depth().checked_sub(1) else {
+            return false;
+        };
+        self.exit_scope(depth);
+        true
+    }
+
+    /// Exits the scope at depth `i` modulo the depth (out of order), if any is entered.
+    fn exit_any(&mut self, i: usize) {
+        if let Some(depth) = i.checked_rem(self.scope_depth()) {
+            self.exit_scope(depth);
+        }
+    }
+
+    /// Drops every array and guard, invalidates every name and empties every cache: the
+    /// backend must get every byte back.
+    fn clean_up(&mut self) {
+        while self.drop_newest() {}
+        while self.exit_innermost() {}
+        self.check("after dropping everything");
+        for name in NAMES {
+            self.invalidate(name);
+        }
+        self.empty_cache();
+        self.check("after the clean-up");
+        let b = self.backend();
+        assert_eq!(b.outstanding_bytes(), 0, "{b:?}");
+        assert_eq!(b.allocs(), b.frees(), "{b:?}");
+    }
+}
+
+/// Implements [`ProgramWorld`] for a world type `$world` whose program operations are `$op`: it
+/// has fields `live` (a `Vec`, newest last), `stack` (the entered scopes, innermost last) and
+/// `backend`, methods `drop_array(live, on_helper)`, `exit_at(depth)`, `apply(&op)` and
+/// `check(when)`, and `$op` has variants `Invalidate(Name)` and `EmptyCache`.
+macro_rules! program_world {
+    ($world:ty, $op:ty) => {
+        impl $crate::programs::ProgramWorld for $world {
+            fn drop_newest(&mut self) -> bool {
+                let Some(live) = self.live.pop() else {
+                    return false;
+                };
+                self.drop_array(live, false);
+                true
+            }
+
+            fn scope_depth(&self) -> usize {
+                self.stack.len()
+            }
+
+            fn exit_scope(&mut self, depth: usize) {
+                self.exit_at(depth);
+            }
+
+            fn invalidate(&mut self, name: $crate::programs::Name) {
+                self.apply(&<$op>::Invalidate(name));
+            }
+
+            fn empty_cache(&mut self) {
+                self.apply(&<$op>::EmptyCache);
+            }
+
+            fn check(&self, when: &str) {
+                Self::check(self, when);
+            }
+
+            fn backend(&self) -> &gpucache::testing::CountingBackend {
+                &self.backend
+            }
+        }
+    };
+}
+pub(crate) use program_world;

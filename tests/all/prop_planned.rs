@@ -35,12 +35,15 @@
 //! sets the number of programs of each test (default [`DEFAULT_CASES`]). Failures are not
 //! persisted: a failing program is printed shrunk, one operation a line, with its seed.
 
-use crate::programs::{Helper, NAMES, Name, Program, SHAPES, cases, name, run_on_fresh_threads};
+use crate::programs::{
+    Helper, NAMES, Name, Outside, Program, ProgramWorld, SHAPES, cases, check_arrays,
+    check_backend, name, program_world, run_on_fresh_threads,
+};
 
 use std::sync::Arc;
 use std::thread;
 
-use common::pattern::{AnyArray, Dt, Init, first_overlap};
+use common::pattern::{AnyArray, Dt, Init};
 use common::serial;
 use gpucache::testing::CountingBackend;
 use gpucache::{CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
@@ -557,10 +560,8 @@ struct World {
     /// The array the last step that kept one kept.
     kept: Option<u64>,
     next_id: u64,
-    /// Live arrays allocated outside any scope: their bytes, and allocations/frees of such.
-    outside_bytes: usize,
-    outside_allocs: u64,
-    outside_frees: u64,
+    /// Live arrays allocated outside any scope.
+    outside: Outside,
     helper: Helper,
 }
 
@@ -585,9 +586,7 @@ impl World {
             steps: Vec::new(),
             kept: None,
             next_id: 1,
-            outside_bytes: 0,
-            outside_allocs: 0,
-            outside_frees: 0,
+            outside: Outside::default(),
             helper,
         }
     }
@@ -607,15 +606,9 @@ impl World {
                 self.stack.push((*name, guard));
             }
             Op::Exit => {
-                if let Some(depth) = self.stack.len().checked_sub(1) {
-                    self.exit_at(depth);
-                }
+                self.exit_innermost();
             }
-            Op::ExitAt(i) => {
-                if !self.stack.is_empty() {
-                    self.exit_at(i % self.stack.len());
-                }
-            }
+            Op::ExitAt(i) => self.exit_any(*i),
             Op::Alloc(dt, shape, init) => self.alloc(*dt, shape, *init, None),
             Op::AllocNearLimit(dt, shape, init, slack) => {
                 self.alloc(*dt, shape, *init, Some(*slack));
@@ -703,8 +696,7 @@ impl World {
                 allocs + 1,
                 "an array outside any scope comes from the device"
             );
-            self.outside_bytes += bytes;
-            self.outside_allocs += 1;
+            self.outside.alloc(bytes);
         }
         self.live.push(LiveArray { id, array, outside });
     }
@@ -712,8 +704,7 @@ impl World {
     /// Drops `live` here or on the helper thread.
     fn drop_array(&mut self, live: LiveArray, on_helper: bool) {
         if live.outside {
-            self.outside_bytes -= live.array.num_bytes();
-            self.outside_frees += 1;
+            self.outside.free(live.array.num_bytes());
         }
         if on_helper {
             self.helper.drop_array(live.array, live.id);
@@ -737,27 +728,14 @@ impl World {
             .map(|&(n, _)| self.names[n as usize].clone());
         assert_eq!(gpucache::current_scope(), innermost, "{when}");
 
-        for live in &self.live {
-            assert!(
-                live.array.holds(live.id),
-                "array {} lost its pattern {when}",
-                live.id
-            );
-        }
-        let mut ranges: Vec<_> = self
-            .live
-            .iter()
-            .filter_map(|l| Some((l.array.addr()?, l.array.num_bytes(), l.id)))
-            .collect();
-        if let Some((a, b)) = first_overlap(&mut ranges) {
-            panic!("arrays {a} and {b} share storage {when}");
-        }
+        let live = self.live.iter();
+        check_arrays(live.map(|l| (&l.array, l.id, l.array.num_bytes())), when);
 
         // Read without taking anything in: blocks the helper sent home stay counted in use.
         let snapshot = gpucache::snapshot();
         let program = thread::current();
         let (mut held, mut allocs, mut frees) =
-            (self.outside_bytes, self.outside_allocs, self.outside_frees);
+            (self.outside.bytes, self.outside.allocs, self.outside.frees);
         for row in snapshot
             .rows()
             .iter()
@@ -767,44 +745,11 @@ impl World {
             allocs += row.stats.device_allocs;
             frees += row.stats.device_frees;
         }
-        let b = &self.backend;
-        assert_eq!(
-            b.outstanding_bytes(),
-            held,
-            "the caches' bytes and the backend's {when}\n{}",
-            gpucache::summary()
-        );
-        assert_eq!(
-            (b.allocs(), b.frees()),
-            (allocs, frees),
-            "the caches' device allocations and frees and the backend's {when}"
-        );
-    }
-
-    /// Drops every array and guard, invalidates every name and empties every cache: the
-    /// backend must get every byte back.
-    fn clean_up(&mut self) {
-        while let Some(live) = self.live.pop() {
-            self.drop_array(live, false);
-        }
-        while let Some(depth) = self.stack.len().checked_sub(1) {
-            self.exit_at(depth);
-        }
-        self.check("after dropping everything");
-        for name in NAMES {
-            self.apply(&Op::Invalidate(name));
-        }
-        self.apply(&Op::EmptyCache);
-        self.check("after the clean-up");
-        assert_eq!(self.backend.outstanding_bytes(), 0, "{:?}", self.backend);
-        assert_eq!(
-            self.backend.allocs(),
-            self.backend.frees(),
-            "{:?}",
-            self.backend
-        );
+        check_backend(&self.backend, held, allocs, frees, when);
     }
 }
+
+program_world!(World, Op);
 
 /// Found by `a_repeated_step_settles_on_its_plan` (4 to 1 settling steps were asked for then):
 /// the arrays the prelude leaves make the first repetitions leave their plan, and the array a

@@ -41,7 +41,7 @@
 mod model;
 mod strategy;
 
-use crate::programs::{Name, cases, run_on_fresh_threads};
+use crate::programs::{Name, ProgramWorld, cases, run_on_fresh_threads};
 use model::World;
 use strategy::{Op, program, unroll};
 

@@ -3,7 +3,9 @@
 //! operation to both and checks that they agree.
 
 use super::strategy::Op;
-use crate::programs::{Helper, NAMES, Name};
+use crate::programs::{
+    Helper, NAMES, Name, Outside, ProgramWorld, check_arrays, check_backend, program_world,
+};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -11,7 +13,7 @@ use std::thread;
 
 use gpucache::testing::CountingBackend;
 use gpucache::{CacheConfig, CacheStats, Device, KeyPolicy, Reuse, ScopeGuard};
-use gpucache_suite::common::pattern::{AnyArray, Dt, Init, first_overlap};
+use gpucache_suite::common::pattern::{AnyArray, Dt, Init};
 
 /// A free list key, as `KeyPolicy` defines it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,10 +174,8 @@ pub(super) struct World {
     /// The first array id of each step under way, innermost last.
     steps: Vec<u64>,
     next_id: u64,
-    /// Live arrays allocated outside any scope: their bytes, and allocations/frees of such.
-    outside_bytes: usize,
-    outside_allocs: u64,
-    outside_frees: u64,
+    /// Live arrays allocated outside any scope.
+    outside: Outside,
     helper: Helper,
 }
 
@@ -200,9 +200,7 @@ impl World {
             live: Vec::new(),
             steps: Vec::new(),
             next_id: 1,
-            outside_bytes: 0,
-            outside_allocs: 0,
-            outside_frees: 0,
+            outside: Outside::default(),
             helper,
         }
     }
@@ -224,15 +222,9 @@ impl World {
                 self.stack.push((name as usize, guard));
             }
             Op::Exit => {
-                if let Some(depth) = self.stack.len().checked_sub(1) {
-                    self.exit_at(depth);
-                }
+                self.exit_innermost();
             }
-            Op::ExitAt(i) => {
-                if !self.stack.is_empty() {
-                    self.exit_at(i % self.stack.len());
-                }
-            }
+            Op::ExitAt(i) => self.exit_any(i),
             Op::Alloc(dt, shape, init) => self.alloc(dt, shape, init, false),
             Op::AllocAfterOom(dt, shape, init) => self.alloc(dt, shape, init, true),
             Op::Drop(i) | Op::SendAway(i) => {
@@ -350,8 +342,7 @@ impl World {
         let (home, capacity) = match self.stack.last() {
             _ if bytes == 0 => (None, 0),
             None => {
-                self.outside_bytes += bytes;
-                self.outside_allocs += 1;
+                self.outside.alloc(bytes);
                 (None, bytes)
             }
             Some(&(index, _)) => {
@@ -399,8 +390,7 @@ impl World {
                 }
             }
             None if live.capacity > 0 => {
-                self.outside_bytes -= live.capacity;
-                self.outside_frees += 1;
+                self.outside.free(live.capacity);
             }
             None => {}
         }
@@ -448,7 +438,7 @@ impl World {
         assert_eq!(gpucache::current_scope(), innermost, "{when}");
 
         let mut held = 0;
-        let (mut allocs, mut frees) = (self.outside_allocs, self.outside_frees);
+        let (mut allocs, mut frees) = (self.outside.allocs, self.outside.frees);
         // Read without taking anything in, so that returned buffers stay where they are.
         let snapshot = gpucache::snapshot();
         let program = thread::current();
@@ -468,50 +458,11 @@ impl World {
             allocs += expected.device_allocs;
             frees += expected.device_frees;
         }
-        let b = &self.backend;
-        assert_eq!(
-            b.outstanding_bytes(),
-            held + self.outside_bytes,
-            "backend bytes {when}"
-        );
-        assert_eq!(
-            (b.allocs(), b.frees()),
-            (allocs, frees),
-            "backend counts {when}"
-        );
-
-        for live in &self.live {
-            assert!(
-                live.array.holds(live.id),
-                "array {} lost its pattern {when}",
-                live.id
-            );
-        }
-        let mut ranges: Vec<_> = self
-            .live
-            .iter()
-            .filter_map(|l| Some((l.array.addr()?, l.capacity, l.id)))
-            .collect();
-        if let Some((a, b)) = first_overlap(&mut ranges) {
-            panic!("arrays {a} and {b} share storage {when}");
-        }
-    }
-
-    /// Drops every array and guard, invalidates every cache and empties them all: the backend
-    /// must get every byte back.
-    pub(super) fn clean_up(&mut self) {
-        while let Some(live) = self.live.pop() {
-            self.drop_array(live, false);
-        }
-        while let Some(depth) = self.stack.len().checked_sub(1) {
-            self.exit_at(depth);
-        }
-        self.check("after dropping everything");
-        for name in NAMES {
-            self.apply(&Op::Invalidate(name));
-        }
-        self.apply(&Op::EmptyCache);
-        self.check("after the clean-up");
-        assert_eq!(self.backend.outstanding_bytes(), 0);
+        let held = held + self.outside.bytes;
+        check_backend(&self.backend, held, allocs, frees, when);
+        let live = self.live.iter();
+        check_arrays(live.map(|l| (&l.array, l.id, l.capacity)), when);
     }
 }
+
+program_world!(World, Op);

@@ -25,8 +25,10 @@
 //!
 //! Every round replays the whole log once per variant, the variants round-robin (the first one
 //! rotates from round to round), each from cold: on a new thread (fresh caches), `empty_cache`
-//! before, and the pool trimmed. The memory figures are the first round's (the same every round
-//! but the pool's), the pool's peak the highest of the rounds.
+//! before, and the pool trimmed. An untimed round comes first, which follows gpucache's peak
+//! (reading the backend's bytes after every allocation); the timed rounds do not, so that the
+//! host times compare the allocators alone. The memory figures are that round's (the same every
+//! round but the pool's), the pool's peak the highest of the rounds.
 
 use gpucache_suite::replay;
 
@@ -35,7 +37,7 @@ use replay::plan;
 use std::path::PathBuf;
 
 use gpucache::Device;
-use replay::{CONFIGS, Mode, Replay, Result};
+use replay::{CONFIGS, Mode, Peak, Replay, Result};
 
 /// One line of the report.
 struct Variant {
@@ -159,14 +161,20 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
     }
     let mut variants = variants(dev);
     let n = variants.len();
-    for round in 0..rounds {
+    // Round 0 follows gpucache's peak; the timed rounds after it do not.
+    for round in 0..=rounds {
+        let peak = if round == 0 {
+            Peak::Tracked
+        } else {
+            Peak::Untracked
+        };
         for i in 0..n {
             let v = &mut variants[(round + i) % n];
             if v.failed.is_some() {
                 continue;
             }
             gpucache::empty_cache();
-            let r = replay::replay_cold(&ops, dev, v.mode);
+            let r = replay::replay_cold(&ops, dev, v.mode, peak);
             gpucache::empty_cache();
             match r {
                 Ok(r) => v.replays.push(r),
@@ -189,7 +197,7 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
     if variants[n - 1].failed.is_some() {
         return Err(format!("{log}: the baseline failed").into());
     }
-    let base: Vec<f64> = variants[n - 1].replays.iter().map(per_step).collect();
+    let base: Vec<f64> = variants[n - 1].replays[1..].iter().map(per_step).collect();
     let base_median = median(&base);
     let later_steps = steps.saturating_sub(2);
     let mut rows = Vec::new();
@@ -220,7 +228,7 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
         } else {
             first.peak_bytes
         };
-        let times: Vec<f64> = v.replays.iter().map(per_step).collect();
+        let times: Vec<f64> = v.replays[1..].iter().map(per_step).collect();
         let ratios: Vec<f64> = times.iter().zip(&base).map(|(t, b)| t / b).collect();
         let row = Row {
             label: v.label.clone(),

@@ -416,12 +416,23 @@ pub struct Memory {
     pub allocs_after_step2: u64,
 }
 
+/// Whether a replay through gpucache follows its peak (reading the backend's bytes after every
+/// allocation, which costs host time the bare and pool replays do not pay; those follow theirs
+/// for free).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peak {
+    /// [`Replay::peak_bytes`] is the peak.
+    Tracked,
+    /// [`Replay::peak_bytes`] is 0 for a replay through gpucache (for timing).
+    Untracked,
+}
+
 /// [`replay`] on a new thread, so from fresh caches (a cache's state, an arena's block sizes
 /// say, outlives `empty_cache`); what they hold goes back to the device when the thread exits,
 /// before this returns.
-pub fn replay_cold(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
+pub fn replay_cold(ops: &[Op], dev: Device, mode: Mode, peak: Peak) -> Result<Replay> {
     std::thread::scope(|s| {
-        s.spawn(|| replay(ops, dev, mode).map_err(|e| e.to_string()))
+        s.spawn(|| replay_with(ops, dev, mode, peak).map_err(|e| e.to_string()))
             // An explicit join waits for the thread's thread-local destructors too.
             .join()
             .map_err(|_| "the replay panicked".to_owned())?
@@ -434,7 +445,7 @@ pub fn replay_cold(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
 /// uses gpucache meanwhile).
 pub fn memory(ops: &[Op], dev: Device, mode: Mode) -> Result<Memory> {
     gpucache::empty_cache();
-    let r = replay_cold(ops, dev, mode);
+    let r = replay_cold(ops, dev, mode, Peak::Tracked);
     gpucache::empty_cache();
     let r = r?;
     Ok(Memory {
@@ -447,6 +458,11 @@ pub fn memory(ops: &[Op], dev: Device, mode: Mode) -> Result<Memory> {
 /// Replays `ops` on `dev` in `mode`. On CUDA the device is synchronised at every outermost
 /// scope exit, as a training step ends (in every mode).
 pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
+    replay_with(ops, dev, mode, Peak::Tracked)
+}
+
+/// [`replay`], following the peak of a replay through gpucache or not.
+pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<Replay> {
     enum Live {
         Cached(Array<u8>),
         Bare(Bare, usize),
@@ -543,8 +559,10 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
                     let mut shape = dims.clone();
                     shape.push(*elem);
                     let a = Array::<u8>::empty(dev, shape)?;
-                    let held = gpucache::device_stats(dev)?.bytes_allocated;
-                    peak = peak.max(held.saturating_sub(before.bytes_allocated));
+                    if track == Peak::Tracked {
+                        let held = gpucache::device_stats(dev)?.bytes_allocated;
+                        peak = peak.max(held.saturating_sub(before.bytes_allocated));
+                    }
                     Live::Cached(a)
                 } else {
                     bare_bytes += bytes;

@@ -1162,10 +1162,10 @@ impl CacheState {
                         plan.tainted = true;
                         plan.layout.rec_of(pos)
                     } else {
-                        let range = plan.layout.range(pos);
                         if let Some(gaps) = &mut plan.gaps {
                             // Alive when the step left the plan: its bytes join the gaps, and
                             // its view goes loose.
+                            let range = plan.layout.range(pos);
                             gaps.free(range.clone());
                             if let Some(view) = view.take() {
                                 plan.park(range.start, view);

@@ -33,13 +33,14 @@ fn row_of(thread: &str, name: &str) -> CacheStats {
 }
 
 /// A worker thread that makes `n` arrays of 1 MiB in a scope of `name`, sends them over `to`,
-/// then waits on `go` (inside the scope if `in_scope`), then reports its cache's stats.
+/// then, once it is where it waits (inside the scope if `in_scope`, else past its exit), sends
+/// `()` over `to` too and waits on `go`; then it reports its cache's stats.
 fn producer(
     backend: &Arc<CountingBackend>,
     name: &'static str,
     n: usize,
     in_scope: bool,
-    to: Sender<Array<u8>>,
+    to: Sender<Produced>,
     go: Receiver<()>,
 ) -> thread::JoinHandle<CacheStats> {
     let backend = Arc::clone(backend);
@@ -47,21 +48,45 @@ fn producer(
         .name(format!("producer-{name}"))
         .spawn(move || {
             let _installed = use_backend(&backend);
+            let wait = || {
+                to.send(Produced::Waiting).unwrap();
+                go.recv().unwrap();
+            };
             {
                 let _scope = enter(name);
                 for _ in 0..n {
-                    to.send(Array::zeros(Device::Cpu, MIB).unwrap()).unwrap();
+                    let array = Array::zeros(Device::Cpu, MIB).unwrap();
+                    to.send(Produced::Array(array)).unwrap();
                 }
                 if in_scope {
-                    go.recv().unwrap();
+                    wait();
                 }
             }
             if !in_scope {
-                go.recv().unwrap();
+                wait();
             }
             stats(name)
         })
         .unwrap()
+}
+
+/// What [`producer`] sends: its arrays, then word that it waits.
+enum Produced {
+    Array(Array<u8>),
+    Waiting,
+}
+
+/// The arrays `producer` sends, received once it waits (so that a drop of them finds it in or
+/// out of its scope as the test asked, not on its way out).
+fn produced(from: &Receiver<Produced>) -> Vec<Array<u8>> {
+    let mut arrays = Vec::new();
+    for produced in from {
+        match produced {
+            Produced::Array(array) => arrays.push(array),
+            Produced::Waiting => return arrays,
+        }
+    }
+    panic!("the producer stopped before it waited")
 }
 
 #[test]
@@ -72,7 +97,8 @@ fn empty_cache_frees_buffers_returned_by_other_threads_whatever_the_owner_does()
         let (to, arrays) = channel();
         let (go, wait) = channel();
         let worker = producer(&backend, name, 100, in_scope, to, wait);
-        let received: Vec<Array<u8>> = arrays.iter().take(100).collect();
+        let received = produced(&arrays);
+        assert_eq!(received.len(), 100);
         drop(received);
         // The worker is blocked (idle, or inside its scope): nobody takes its queue in.
         assert_eq!(backend.outstanding_bytes(), 100 * MIB, "{name}");
@@ -92,7 +118,8 @@ fn out_of_memory_recovery_frees_returned_buffers_and_reports_what_is_true() {
     let (to, arrays) = channel();
     let (go, wait) = channel();
     let worker = producer(&backend, "oom-returned", 100, true, to, wait);
-    let received: Vec<Array<u8>> = arrays.iter().take(100).collect();
+    let received = produced(&arrays);
+    assert_eq!(received.len(), 100);
     drop(received);
     // A device of 120 MiB: 100 MiB sit in the worker's return queue while it is in its scope.
     backend.set_limit(Some(120 * MIB));

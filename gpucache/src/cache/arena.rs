@@ -276,10 +276,10 @@ impl Plan {
     ) -> Result<Block> {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
-        let span = counts.block.bytes() - offset;
         let mut view = match kept {
             Some(view) => view,
             None => {
+                let span = counts.block.bytes() - offset;
                 let owner: *const dyn Backend = arena.as_ptr().cast_const();
                 // SAFETY: `offset < block bytes` (the layout placed the position and it fits in
                 // the footprint, or the block's gaps held the range), `owner` is the
@@ -292,8 +292,8 @@ impl Plan {
                 unsafe { counts.block.view(owner, offset, span) }?
             }
         };
-        debug_assert!(0 < bytes && bytes <= span);
-        // SAFETY: the view was made at `offset` over the rest of the block, `span >= bytes`
+        debug_assert!(0 < bytes && offset + bytes <= counts.block.bytes());
+        // SAFETY: the view was made at `offset` over the rest of the block, at least `bytes`
         // bytes (`bytes` fit there): just now, or before it was kept idle at that offset.
         unsafe { view.set_view_len(bytes) };
         counts.count_view();
@@ -350,7 +350,12 @@ fn no_views(layout: &Layout) -> Vec<Option<Block>> {
 /// Idle views taken out of a plan, with their offsets in its block.
 type KeptViews = Vec<(usize, Block)>;
 
-/// Drops views kept for positions.
+/// Drops idle views taken out of a plan.
+fn drop_kept(views: KeptViews) {
+    drop_views(views.into_iter().map(|(_, v)| v));
+}
+
+/// Drops idle views.
 fn drop_views(views: impl IntoIterator<Item = Block>) {
     for view in views {
         // SAFETY: a kept view was made by `Block::view`, is no array's, and its block is alive
@@ -546,7 +551,7 @@ impl DeviceArena {
         plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
         let Some((b, in_use)) = block else {
-            drop_views(views.into_iter().map(|(_, v)| v));
+            drop_kept(views);
             return false;
         };
         // SAFETY: a plan's block is the cache's until detached.
@@ -558,7 +563,7 @@ impl DeviceArena {
             plan.keep_views(views);
             return false;
         }
-        drop_views(views.into_iter().map(|(_, v)| v));
+        drop_kept(views);
         self.detach(st, b, in_use)
     }
 
@@ -646,15 +651,15 @@ impl DeviceArena {
     fn end_step(&mut self, st: &Counters) -> usize {
         let mut retired = 0;
         let n = self.record.len();
-        let mut whole = false;
+        let mut followed = false;
         if let Some(plan) = &mut self.plan {
-            whole = plan.layout.end_step();
+            followed = plan.layout.end_step();
             plan.ready = false;
         }
         let tainted = self.plan.as_ref().is_some_and(|p| p.tainted);
         if self.overflowed {
             retired += usize::from(self.drop_plan(st));
-        } else if n > 0 && (self.diverged || self.replan || !whole) {
+        } else if n > 0 && (self.diverged || self.replan || !followed) {
             let old = self.plan.take();
             let same = old
                 .as_ref()
@@ -691,7 +696,7 @@ impl DeviceArena {
                     cached(st, self.gauge, in_use);
                     keep = Some(b);
                 } else {
-                    drop_views(std::mem::take(&mut views).into_iter().map(|(_, v)| v));
+                    drop_kept(std::mem::take(&mut views));
                     retired += usize::from(self.detach(st, b, in_use));
                 }
             }

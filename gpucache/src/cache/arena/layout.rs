@@ -427,11 +427,11 @@ impl Layout {
                 self.make_overdue(p);
             }
         }
-        let whole = !self.skipped && self.cursor > 0;
+        let followed = !self.skipped && self.cursor > 0;
         self.cursor = 0;
         self.ticked = 0;
         self.skipped = false;
-        whole
+        followed
     }
 
     /// The offset and size of position `k` (tests).

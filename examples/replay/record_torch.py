@@ -467,7 +467,94 @@ def record_convnext_infer(out, steps=10):
     return rec.write(os.path.join(out, "convnext_infer.csv.gz"))
 
 
+def record_varying(out, name, model, inputs, run):
+    """Inference of `model` on `inputs`, one step each (their shapes vary): writes
+    ``<out>/<name>.csv.gz``."""
+    rec = Recorder("infer")
+    with torch.no_grad(), rec:
+        for x in inputs:
+            with rec.step():
+                run(x)
+    return rec.write(os.path.join(out, f"{name}.csv.gz"))
+
+
+def record_bert_eager_infer(out, steps=12, batch=4):
+    """BERT-base with eager attention (its scores are batch x heads x length x length: they grow
+    with the square of the length, the rest linearly), the length varying every step."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    config = BertConfig()
+    config._attn_implementation = "eager"
+    model = BertModel(config).to(dev).eval()
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(16, 513, (steps,), generator=gen).tolist()
+    print(f"bert-eager-infer: sequence lengths {lengths}", flush=True)
+    inputs = [torch.randint(0, 30522, (batch, n), generator=gen) for n in lengths]
+    return record_varying(
+        out,
+        "bert_eager_infer",
+        model,
+        inputs,
+        lambda ids: model(input_ids=ids.to(dev)).last_hidden_state.sum().item(),
+    )
+
+
+def record_gpt2_infer(out, steps=12, batch=4):
+    """GPT-2 small scoring sequences whose length varies every step (16 to 1024 tokens)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()
+    gen = torch.Generator().manual_seed(12)
+    lengths = torch.randint(16, 1025, (steps,), generator=gen).tolist()
+    print(f"gpt2-infer: sequence lengths {lengths}", flush=True)
+    inputs = [torch.randint(0, 50257, (batch, n), generator=gen) for n in lengths]
+    return record_varying(
+        out,
+        "gpt2_infer",
+        model,
+        inputs,
+        lambda ids: model(input_ids=ids.to(dev)).logits.argmax(-1).sum().item(),
+    )
+
+
+def record_vision_infer(out, name, make, most, seed, steps=12):
+    """A torchvision model in inference, the batch varying every step (1 to `most` images)."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = make().to(dev).eval()
+    gen = torch.Generator().manual_seed(seed)
+    batches = torch.randint(1, most + 1, (steps,), generator=gen).tolist()
+    print(f"{name}: batches {batches}", flush=True)
+    return record_varying(
+        out,
+        name,
+        model,
+        batches,
+        lambda b: model(torch.randn(b, 3, 224, 224, device=dev)).argmax(-1).sum().item(),
+    )
+
+
+def record_resnet18_infer(out):
+    import torchvision
+
+    return record_vision_infer(out, "resnet18_infer", torchvision.models.resnet18, 96, 13)
+
+
+def record_vit_infer(out):
+    import torchvision
+
+    return record_vision_infer(out, "vit_infer", torchvision.models.vit_b_16, 32, 14)
+
+
 MODELS = {
+    "bert-eager-infer": record_bert_eager_infer,
+    "gpt2-infer": record_gpt2_infer,
+    "resnet18-infer": record_resnet18_infer,
+    "vit-infer": record_vit_infer,
     "tiny": record_tiny,
     "vit-train": record_vit_train,
     "llama-serve": record_llama_serve,

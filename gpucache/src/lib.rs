@@ -177,10 +177,13 @@
 //!   than planned are served apart on their own, and the step stays on its plan; one that
 //!   grew a little since the last plan (attention over the tokens so far) is planned with room
 //!   to grow. A step that leaves its plan is planned again at its end, with each position's
-//!   largest size; until then, if it outgrew the plan (larger in all: a longer sequence), the
-//!   rest of it is served apart and the plan's block is given back as soon as no array uses it;
-//!   if not (an array kept alive, another order, extra allocations), the rest is served from
-//!   the block's free bytes while they hold it.
+//!   largest size. Until then, if it outgrew the plan (the same allocations, larger in all: a
+//!   longer sequence, a larger batch), the plan's block is given back as soon as no array uses
+//!   it, and the rest of the step follows the plan scaled by the ratio in which the step grew,
+//!   in one new block (an array larger than its scaled place is served apart); while arrays
+//!   planned to live through most of the step keep the old block in use, or if the step did not
+//!   outgrow the plan (an array kept alive, another order, extra allocations), the rest is
+//!   served from the block's free bytes while they hold it.
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
 //!   plan each, up to four, sharing the block: a step's first allocation picks the plan made
 //!   for steps like it. A step that follows its plan and ends early (evaluation after training,
@@ -189,8 +192,9 @@
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
 //!   step, its block is kept for the next such array through the end of the next step (a cache
 //!   of keys and values that grows a token a step reuses them), then given back.
-//! * The first step and a step that outgrows its plan allocate from the device; a step that
-//!   follows its plan does not. [`Reuse`] does not apply.
+//! * The first step allocates from the device, and so does a step that outgrows its plan (its
+//!   scaled plan's block, and the arrays served apart); a step that follows its plan does not.
+//!   [`Reuse`] does not apply.
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held
 //! over the peak live bytes is 1.08x on GPT-2 training, 1.005x on ResNet-50 training, 1.07x on

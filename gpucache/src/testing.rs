@@ -48,6 +48,7 @@ pub struct CountingBackend {
     frees: AtomicU64,
     failures: AtomicU64,
     outstanding_bytes: AtomicUsize,
+    peak_bytes: AtomicUsize,
     plan: Mutex<FailPlan>,
 }
 
@@ -119,6 +120,17 @@ impl CountingBackend {
         self.outstanding_bytes.load(SeqCst)
     }
 
+    /// The most bytes outstanding at once, since the backend was made or since
+    /// [`reset_peak`](Self::reset_peak).
+    pub fn peak_bytes(&self) -> usize {
+        self.peak_bytes.load(SeqCst)
+    }
+
+    /// Starts [`peak_bytes`](Self::peak_bytes) again from the bytes outstanding now.
+    pub fn reset_peak(&self) {
+        self.peak_bytes.store(self.outstanding_bytes(), SeqCst);
+    }
+
     /// Allocations not yet freed.
     pub fn outstanding_allocs(&self) -> u64 {
         self.allocs() - self.frees()
@@ -172,6 +184,8 @@ impl Backend for CountingBackend {
         })?;
         self.allocs.fetch_add(1, SeqCst);
         self.zeroed.fetch_add(u64::from(zeroed), SeqCst);
+        self.peak_bytes
+            .fetch_max(self.outstanding_bytes.load(SeqCst), SeqCst);
         Ok(storage)
     }
 

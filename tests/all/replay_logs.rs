@@ -4,9 +4,10 @@
 //! peak live bytes (the lower bound of any allocator), with the same figures every time; planned
 //! caches hold at most 1.10x the peak live bytes on the training and varying-shape logs and
 //! 1.5x on decoding and serving, with no device allocation after the second step on the
-//! training logs, and after it fewer than one in twenty of the allocations on decoding and
-//! serving (the keys and values crossing size classes, and those of new requests); and a
-//! zero-byte allocation replays in every mode.
+//! training logs, and after it fewer than one in twenty of the allocations on the others (a
+//! step larger than every one before it, served from its plan scaled; the keys and values
+//! crossing size classes, and those of new requests); and a zero-byte allocation replays in
+//! every mode.
 
 use gpucache::{CacheConfig, Device, KeyPolicy};
 
@@ -21,6 +22,10 @@ const LOGS: &[(&str, f64)] = &[
     ("bert_infer", 1.10),
     ("effnet_infer", 1.10),
     ("convnext_infer", 1.10),
+    ("bert_eager_infer", 1.10),
+    ("gpt2_infer", 1.10),
+    ("resnet18_infer", 1.10),
+    ("vit_infer", 1.10),
     ("gpt2_decode", 1.5),
     ("llama_serve", 1.5),
     ("opt_serve", 1.5),
@@ -78,7 +83,7 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
                     .filter(|op| matches!(op, Op::Alloc { .. }))
                     .count();
                 assert!(
-                    bound < 1.5 || m.allocs_after_step2 * 20 < allocs as u64,
+                    m.allocs_after_step2 * 20 < allocs as u64,
                     "{log}, planned: {} of {allocs} allocations after step 2",
                     m.allocs_after_step2
                 );

@@ -13,11 +13,16 @@
 //! [`Layout::serve`] says it may (no larger than planned, no array alive over those bytes).
 //! Else the step is marked *diverged*, and is planned again at its end, with each position's
 //! largest size. Until then, a step that outgrew the plan (matched with it position by
-//! position, and larger in all than the block allows) gets solo blocks, and the plan's block
-//! goes back to the device once no array uses it; any other (another order, extra or missing
-//! allocations, an array kept alive) is served from the block's free ranges ([`Gaps`]) until an
-//! allocation fits none, then gets solo blocks too. So a fixed-shape loop settles on one plan
-//! after its second step, and a loop whose sizes vary settles on one that fits its largest step.
+//! position, and larger in all than the block allows) gets solo blocks while the plan's block is
+//! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
+//! the ratio in which the step grew ([`Layout::scale`]), serves the rest of the step from one new
+//! block, which the next plan keeps when it fits. Any other step (another order, extra or missing
+//! allocations, an array kept alive), or one that outgrew its plan while arrays planned to live
+//! through most of it hold the block, is served from the block's free ranges ([`Gaps`]); an
+//! allocation they cannot hold gets a solo block (and, in a step that did not outgrow its plan,
+//! closes them). So a fixed-shape loop settles on one plan after its second step, and a loop
+//! whose sizes vary settles on one that fits its largest step, with one block allocated per
+//! step larger than every one before it rather than one per array.
 //!
 //! # Positions that grow, and kinds of step
 //!
@@ -470,6 +475,8 @@ impl DeviceArena {
             overflowed: false,
             grown: 0,
             outgrew: false,
+            scaled: false,
+            keep_gaps: false,
             plan: None,
             shelf: Vec::new(),
             spares: Vec::new(),
@@ -653,6 +660,7 @@ impl DeviceArena {
         let n = self.record.len();
         let mut followed = false;
         if let Some(plan) = &mut self.plan {
+            plan.layout.confirmed |= !self.diverged && plan.layout.reached_end();
             followed = plan.layout.end_step();
             plan.ready = false;
         }
@@ -716,6 +724,8 @@ impl DeviceArena {
         self.overflowed = false;
         self.grown = 0;
         self.outgrew = false;
+        self.scaled = false;
+        self.keep_gaps = false;
         self.awaiting = None;
         let step = self.step;
         self.step = step.wrapping_add(1);
@@ -813,15 +823,42 @@ impl CacheState {
                         a.diverged = true;
                         // Larger than planned (or past the plan's end), the step outgrows the
                         // plan: its block goes back once unused, and the rest of the step is
-                        // served apart, exactly. Else the block's free bytes serve it.
-                        if (size <= plan.layout.range(pos).len()
-                            || !plan.layout.outgrown(&a.record, plan.block_bytes()))
+                        // served apart until then, then from the plan scaled as the step grew,
+                        // in a new block. Else, or when arrays planned to live through most of
+                        // the rest hold the block, or when the step outgrows a scaled plan,
+                        // the block's free bytes serve it.
+                        let grew = size > plan.layout.range(pos).len()
+                            && plan.layout.outgrown(&a.record, plan.block_bytes());
+                        let held = grew && plan.layout.held_past_half(rec);
+                        if (!grew || held || a.scaled)
                             && let Err(e) = plan.open_gaps()
                         {
                             return Planned::Failed(e);
                         }
                         a.outgrew = plan.gaps.is_none();
+                        a.keep_gaps = grew || a.scaled;
                         self.live += usize::from(a.release_unused_block(st));
+                    }
+                    let a = &mut self.arenas.devices[i];
+                    if a.outgrew
+                        && !again
+                        && pos != NONE
+                        && let Some(plan) = &mut a.plan
+                        && plan.block.is_none()
+                        && 2 * rec < plan.layout.len() as u32
+                        && plan.layout.scale(&a.record)
+                    {
+                        // The step outgrew its plan and the old block is gone: the plan scaled
+                        // serves the rest of the step (in a new block, made for this
+                        // allocation), and the step is planned again at its end. No array is
+                        // in the new block: no position is taken there.
+                        plan.layout.clear_live();
+                        a.diverged = false;
+                        a.replan = true;
+                        a.scaled = true;
+                        if let Serve::At(offset) = plan.layout.serve(pos, size, rec) {
+                            return self.plan_view(st, i, req, pos, offset, rec);
+                        }
                     }
                     if again {
                         capacity = size_class_within(size);
@@ -907,6 +944,11 @@ impl CacheState {
         let plan = a.plan.as_mut()?;
         let arena = plan.block?;
         let Some(offset) = plan.gaps.as_mut()?.take(rec, size) else {
+            if a.keep_gaps {
+                // The step outgrew its plan: this array goes apart, and the gaps serve the
+                // rest while they can.
+                return None;
+            }
             // The step outgrows the block: the rest goes apart, and the block back to the
             // device once no array uses it.
             plan.gaps = None;

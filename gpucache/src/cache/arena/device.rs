@@ -86,6 +86,11 @@ pub(in crate::cache) struct DeviceArena {
     /// The step left its plan for want of room: served apart from there, its plan's block given
     /// back once unused.
     pub(super) outgrew: bool,
+    /// The step outgrew its plan and follows the plan scaled as it grew.
+    pub(super) scaled: bool,
+    /// The step outgrew its plan and is served from the gaps of a block still in use: an
+    /// allocation no gap holds goes apart, and the gaps stay open.
+    pub(super) keep_gaps: bool,
     pub(super) plan: Option<Plan>,
     /// Plans of other kinds of step (a server's prompt steps and decoding steps), the least
     /// recently used first to go.

@@ -24,6 +24,9 @@ pub(super) const OPEN: u32 = u32::MAX;
 /// No position: [`Rec::planned`] of an allocation the plan did not match.
 pub(super) const NONE: u32 = u32::MAX;
 
+/// A plan scaled for a step that outgrew it grows by the step's ratio and this fraction more.
+const SCALE_MARGIN: u128 = 64;
+
 /// The most positions planned apart that one allocation skips to find its own.
 const MAX_SKIP: u32 = 256;
 
@@ -90,6 +93,8 @@ pub(super) struct Layout {
     /// Made from a step that had no plan before it (the cache's first, or the first after
     /// `invalidate` or `empty_cache`): it may hold what only a first step allocates.
     pub(super) cold: bool,
+    /// A step followed it from its first position to its last.
+    pub(super) confirmed: bool,
 }
 
 /// Whether two sizes are within a factor of two of each other.
@@ -197,6 +202,7 @@ impl Layout {
             footprint: plan.footprint,
             first: record.first().map_or(0, |r| r.bytes),
             cold: false,
+            confirmed: false,
         }
     }
 
@@ -373,17 +379,88 @@ impl Layout {
     /// order, extra or missing allocations) says nothing of its size that way: it is tried in
     /// the block's free bytes.
     pub(super) fn outgrown(&self, record: &[Rec], block: usize) -> bool {
+        self.growth(record).is_some_and(|(asked, planned)| {
+            asked * self.footprint as u128 > planned * block.max(self.footprint) as u128
+        })
+    }
+
+    /// The bytes the step recorded so far as `record` asked for at the plan's placed positions,
+    /// and the bytes those positions hold, when it was matched with the plan position by
+    /// position (`None` otherwise).
+    fn growth(&self, record: &[Rec]) -> Option<(u128, u128)> {
+        Some(self.growths(record)?.0)
+    }
+
+    /// [`Layout::growth`], and the bytes asked for at the largest of those positions with the
+    /// bytes it holds.
+    fn growths(&self, record: &[Rec]) -> Option<((u128, u128), (u128, u128))> {
         let (mut asked, mut planned) = (0u128, 0u128);
+        let mut largest = (0u128, 0u128);
         for (k, r) in record.iter().enumerate() {
-            let Some(s) = self.spots.get(k).filter(|_| r.planned as usize == k) else {
-                return false;
-            };
+            let s = self.spots.get(k).filter(|_| r.planned as usize == k)?;
             if !s.apart {
                 asked += r.bytes as u128;
                 planned += s.size as u128;
+                if s.size as u128 > largest.1 {
+                    largest = (r.bytes as u128, s.size as u128);
+                }
             }
         }
-        asked * self.footprint as u128 > planned * block.max(self.footprint) as u128
+        Some(((asked, planned), largest))
+    }
+
+    /// Scales the plan by the ratio in which the step recorded so far as `record` outgrew it,
+    /// for the rest of that step in a new block. Returns whether it did: the step was matched
+    /// with the plan position by position and asked for more than its positions hold, and a
+    /// plan made from a cold start that no step has followed to its end grew at most twofold
+    /// (more says that the step is another one, not the same one larger).
+    ///
+    /// Every placed position's offset and end are multiplied by the ratio, a sixty-fourth more
+    /// (the ratio of aligned sizes is not quite the ratio of the arrays), and rounded up to the
+    /// alignment. That map is monotone, so positions whose ranges were disjoint stay disjoint,
+    /// and the layout stays a valid plan whatever the ratio.
+    pub(super) fn scale(&mut self, record: &[Rec]) -> bool {
+        let unconfirmed = self.cold && !self.confirmed;
+        let Some(((asked, planned), largest)) = self
+            .growths(record)
+            .filter(|&((a, p), _)| a > p && !(unconfirmed && a > 2 * p))
+        else {
+            return false;
+        };
+        // The largest array's ratio when larger: the small ones' sizes are rounded up to the
+        // alignment, which makes them look as if they grew less.
+        let (asked, planned) = if largest.0 * planned > asked * largest.1 {
+            largest
+        } else {
+            (asked, planned)
+        };
+        let asked = asked + asked / SCALE_MARGIN;
+        let scaled = |x: usize| {
+            let x = (x as u128 * asked).div_ceil(planned);
+            usize::try_from(x).ok().and_then(super::block::aligned)
+        };
+        // The largest value scaled: every offset and end is at most the footprint.
+        let Some(footprint) = scaled(self.footprint) else {
+            return false;
+        };
+        for s in self.spots.iter_mut().filter(|s| !s.apart) {
+            let start = scaled(s.offset).unwrap_or(footprint);
+            let end = scaled(s.offset + s.size).unwrap_or(footprint);
+            s.offset = start;
+            s.size = end - start;
+        }
+        self.footprint = footprint;
+        true
+    }
+
+    /// Whether an array alive at tick `t` is planned to live past the middle of the rest of the
+    /// step: the block it is in stays in use for most of the step.
+    pub(super) fn held_past_half(&self, t: u32) -> bool {
+        let n = self.spots.len() as u32;
+        let half = t.saturating_add(n.saturating_sub(t) / 2);
+        self.spots
+            .iter()
+            .any(|s| s.live && !s.apart && s.end > half)
     }
 
     /// The bytes of position `k` in the block.
@@ -415,6 +492,11 @@ impl Layout {
     /// The index in the record of the allocation served at position `k` last.
     pub(super) fn rec_of(&self, k: u32) -> u32 {
         self.spots.get(k as usize).map_or(NONE, |s| s.rec)
+    }
+
+    /// Whether the step so far matched every position of the plan, skipping none.
+    pub(super) fn reached_end(&self) -> bool {
+        !self.skipped && self.cursor as usize == self.spots.len()
     }
 
     /// The step ended: every position still alive is overdue (it is in the way of the next
@@ -623,6 +705,105 @@ mod tests {
         assert!(!l.outgrown(&shifted, 1024));
         let smaller = [matched(512, 1, 0), matched(1024, 2, 1)];
         assert!(!l.outgrown(&smaller, 1024));
+    }
+
+    /// Whether two positions' planned lifetimes (from their position to their end) overlap.
+    fn overlap_in_time(l: &Layout, a: usize, b: usize) -> bool {
+        let (sa, sb) = (&l.spots[a], &l.spots[b]);
+        let (ea, eb) = (sa.end.max(a as u32 + 1), sb.end.max(b as u32 + 1));
+        (a as u32) < eb && (b as u32) < ea
+    }
+
+    #[test]
+    fn a_plan_scaled_as_its_step_grew_still_keeps_arrays_alive_together_apart() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..300 {
+            let n = 2 + next(40) as u32;
+            let record: Vec<Rec> = (0..n)
+                .map(|k| {
+                    let end = if next(8) == 0 {
+                        OPEN
+                    } else {
+                        k + 1 + next(u64::from(n - k)) as u32
+                    };
+                    rec(512 * (1 + next(64) as usize), end)
+                })
+                .collect();
+            let mut l = Layout::new(&record, None);
+            if l.footprint == 0 {
+                continue;
+            }
+            l.confirmed = true;
+            // The next step grew by 1 + g/8 so far, position by position.
+            let g = 1 + next(16) as usize;
+            let seen = 1 + next(u64::from(n)) as usize;
+            let grown: Vec<Rec> = record[..seen]
+                .iter()
+                .enumerate()
+                .map(|(k, r)| matched(r.bytes + r.bytes * g / 8, r.end, k as u32))
+                .collect();
+            let (asked, planned) = l.growth(&grown).unwrap();
+            if asked <= planned {
+                assert!(!l.scale(&grown));
+                continue;
+            }
+            let before = l.footprint;
+            assert!(l.scale(&grown));
+            assert!(l.footprint as u128 * planned >= before as u128 * asked);
+            for a in 0..l.spots.len() {
+                let sa = l.spots[a];
+                if sa.apart {
+                    continue;
+                }
+                assert!(sa.offset + sa.size <= l.footprint);
+                for b in a + 1..l.spots.len() {
+                    let sb = l.spots[b];
+                    if !sb.apart && overlap_in_time(&l, a, b) {
+                        assert!(
+                            sa.offset + sa.size <= sb.offset || sb.offset + sb.size <= sa.offset,
+                            "positions {a} and {b} share bytes after scaling"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_plan_is_scaled_only_for_a_step_that_grew_in_order() {
+        let mut l = Layout::new(&step(), None);
+        // Made from a cold start and followed by no step: at most twofold.
+        l.cold = true;
+        assert!(!l.scale(&[matched(1024, 2, 0)]), "fourfold on a cold plan");
+        assert!(l.scale(&[matched(512, 2, 0)]), "twofold");
+        assert!(l.footprint >= 2 * 768 && l.spot(0).1 >= 512);
+        let mut l = Layout::new(&step(), None);
+        assert!(!l.scale(&[matched(256, 2, 0)]), "not larger");
+        assert!(!l.scale(&[matched(512, 2, 1)]), "out of order");
+        l.confirmed = true;
+        l.cold = true;
+        assert!(
+            l.scale(&[matched(1024, 2, 0)]),
+            "a confirmed plan scales by any ratio"
+        );
+    }
+
+    #[test]
+    fn a_block_is_held_by_an_array_planned_to_live_past_half_the_rest() {
+        // a lives to tick 3 of 4 (past the middle), b to tick 2.
+        let record = vec![rec(256, 3), rec(256, 2), rec(512, 3), rec(256, 4)];
+        let mut l = Layout::new(&record, None);
+        assert!(at(&mut l, 256).is_some());
+        assert!(l.held_past_half(1), "a ends at 3, past 1 + 3/2");
+        l.dropped(0);
+        assert!(at(&mut l, 256).is_some());
+        assert!(!l.held_past_half(1), "b ends at 2");
     }
 
     #[test]

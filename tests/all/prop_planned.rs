@@ -12,8 +12,9 @@
 //! empties every cache, reconfigures a name (byte cap; now and then a free-list policy and back),
 //! allocates under a device limit (out-of-memory recovery, and a failed allocation mid-step) and
 //! reads stats. Loops repeat a step (the same allocations in a scope) so that plans are made,
-//! followed and left: in one iteration a position may grow, a drop may be delayed (the array
-//! outlives its planned end) and the newest array may outlive the step. After every operation:
+//! followed and left: in one iteration a position may grow, or every position (a longer
+//! sequence), a drop may be delayed (the array outlives its planned end) and the newest array
+//! may outlive the step. After every operation:
 //!
 //! * no two live arrays share storage, and each still holds the pattern written at allocation;
 //! * the backend's outstanding bytes, allocations and frees are the sums over the program's
@@ -86,6 +87,9 @@ enum Op {
         times: usize,
         scope: Option<Name>,
         grow: Option<(usize, usize, usize)>,
+        /// In iteration `scale.0` every allocation has `scale.1` eighths of its elements (at
+        /// least one more): the same step on a longer sequence.
+        scale: Option<(usize, usize)>,
         delay: Option<(usize, usize)>,
         keep: Option<usize>,
         ops: Vec<Op>,
@@ -162,20 +166,22 @@ fn simple_op() -> impl Strategy<Value = Op> {
 fn loop_of(inner: impl Strategy<Value = Op>) -> impl Strategy<Value = Op> {
     let scope = prop::option::weighted(0.9, name());
     let grow = prop::option::weighted(0.3, (0..4usize, 0..8usize, select(GROWTH)));
+    let scale = prop::option::weighted(0.2, (0..4usize, select(GROWTH)));
     let delay = prop::option::weighted(0.3, (0..4usize, 0..8usize));
     let keep = prop::option::weighted(0.2, 0..4usize);
     (
         1..=4usize,
         scope,
-        grow,
+        (grow, scale),
         delay,
         keep,
         prop::collection::vec(inner, 1..8),
     )
-        .prop_map(|(times, scope, grow, delay, keep, ops)| Op::Loop {
+        .prop_map(|(times, scope, (grow, scale), delay, keep, ops)| Op::Loop {
             times,
             scope,
             grow,
+            scale,
             delay,
             keep,
             ops,
@@ -200,6 +206,7 @@ fn unroll(ops: &[Op], out: &mut Vec<Op>) {
             times,
             scope,
             grow,
+            scale,
             delay,
             keep,
             ops,
@@ -221,17 +228,25 @@ fn unroll(ops: &[Op], out: &mut Vec<Op>) {
             let delayed = delay
                 .filter(|d| d.0 % times == it && drops > 0)
                 .map(|d| d.1 % drops);
+            let scaled = scale.filter(|s| s.0 % times == it).map(|s| s.1);
+            let shape_of = |shape: &[usize], a| {
+                let shape = grown_shape(shape, grown, a);
+                match scaled {
+                    Some(eighths) => grown_shape(&shape, Some((a, eighths)), a),
+                    None => shape,
+                }
+            };
             out.extend(scope.map(Op::Enter));
             out.push(Op::StepStart);
             let (mut a, mut d) = (0, 0);
             for op in ops {
                 match op {
                     Op::Alloc(dt, shape, init) => {
-                        out.push(Op::Alloc(*dt, grown_shape(shape, grown, a), *init));
+                        out.push(Op::Alloc(*dt, shape_of(shape, a), *init));
                         a += 1;
                     }
                     Op::AllocNearLimit(dt, shape, init, slack) => {
-                        let shape = grown_shape(shape, grown, a);
+                        let shape = shape_of(shape, a);
                         out.push(Op::AllocNearLimit(*dt, shape, *init, *slack));
                         a += 1;
                     }
@@ -354,7 +369,8 @@ proptest! {
 /// A few programs run on every `cargo test` whatever the random seed: a plan followed, left by
 /// a grown position, a delayed drop and an escape; views dropped on the helper thread mid-step;
 /// `invalidate` and `empty_cache` mid-step with views of the plan alive; a switch to a free-list
-/// policy and back with arrays of each alive; an allocation that fails mid-step.
+/// policy and back with arrays of each alive; an allocation that fails mid-step; a step longer
+/// in all its arrays, then one with an array held through it.
 #[test]
 fn fixed_programs_stay_safe() {
     use Op::*;
@@ -364,6 +380,7 @@ fn fixed_programs_stay_safe() {
         times: 4,
         scope: Some(Name::A),
         grow,
+        scale: None,
         delay,
         keep,
         ops,
@@ -419,6 +436,25 @@ fn fixed_programs_stay_safe() {
             None,
             None,
         )],
+        // A longer sequence in the third iteration, with an array held through it in the
+        // fourth: the plan scaled, then the old block's free bytes.
+        vec![Loop {
+            times: 4,
+            scope: Some(Name::A),
+            grow: None,
+            scale: Some((2, 12)),
+            delay: Some((3, 0)),
+            keep: None,
+            ops: vec![
+                f32s(64),
+                f32s(300),
+                DropNew(0),
+                f32s(1000),
+                DropNew(1),
+                f32s(64),
+                DropNew(0),
+            ],
+        }],
     ];
     for program in programs {
         run(|world| {
@@ -474,6 +510,7 @@ fn a_returned_array_whose_position_is_still_taken_goes_apart() {
             times: 1,
             scope: Some(Name::A),
             grow: None,
+            scale: None,
             delay: None,
             keep: None,
             ops: vec![alloc.clone(), alloc],
@@ -765,6 +802,7 @@ fn a_returned_array_from_the_plans_block_settles_one_step_later() {
                 times: 1,
                 scope: Some(Name::B),
                 grow: None,
+                scale: None,
                 delay: None,
                 keep: None,
                 ops: vec![
@@ -772,6 +810,7 @@ fn a_returned_array_from_the_plans_block_settles_one_step_later() {
                         times: 2,
                         scope: Some(Name::A),
                         grow: None,
+                        scale: None,
                         delay: None,
                         keep: None,
                         ops: vec![
@@ -793,6 +832,7 @@ fn a_returned_array_from_the_plans_block_settles_one_step_later() {
                 times: 1,
                 scope: Some(Name::A),
                 grow: None,
+                scale: None,
                 delay: Some((1, 5)),
                 keep: None,
                 ops: vec![

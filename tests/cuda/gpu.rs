@@ -865,6 +865,92 @@ fn prompt_and_decoding_steps_compute_on_their_own_plans(dev: Device) -> TestResu
     Ok(())
 }
 
+/// One step of a model-like loop over `n` elements: an input held through the step if `hold`,
+/// then eight layers, each computing a wide scratch array (`[n, 4]`) and the next hidden state
+/// from the one before by kernels, every value checked. Returns the device
+/// allocations the step made.
+fn layer_step(
+    dev: Device,
+    name: &str,
+    n: usize,
+    hold: bool,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    let stream = current(dev);
+    let before = gpucache::device_stats(dev)?.allocs;
+    let _scope = enter(name);
+    let mut input = Array::<f32>::empty(dev, n)?;
+    fill(&stream, &mut input, 3.0)?;
+    let input = hold.then_some(input);
+    let mut x = Array::<f32>::empty(dev, n)?;
+    fill(&stream, &mut x, 1.0)?;
+    let mut expect = 1.0f32;
+    for layer in 0..8 {
+        let b = layer as f32;
+        let mut wide = Array::<f32>::empty(dev, [n, 4])?;
+        affine(&stream, &mut wide, &x, 1.0, b)?;
+        let mut y = Array::<f32>::empty(dev, n)?;
+        affine(&stream, &mut y, &x, 2.0, b)?;
+        let got = wide.to_vec()?;
+        assert!(
+            got[..n].iter().all(|&v| v == expect + b),
+            "n = {n}, layer {layer}"
+        );
+        expect = 2.0 * expect + b;
+        drop(wide);
+        x = y;
+    }
+    assert!(
+        x.to_vec()?.iter().all(|&v| v == expect),
+        "n = {n}: the layers' result"
+    );
+    if let Some(input) = &input {
+        assert!(
+            input.to_vec()?.iter().all(|&v| v == 3.0),
+            "n = {n}: the input was overwritten"
+        );
+    }
+    Ok(gpucache::device_stats(dev)?.allocs - before)
+}
+
+/// Steps over longer sequences than the plan was made for: the plan scaled serves them in one
+/// new block (or the old block's free bytes, while the held input keeps it in use), kernels
+/// compute the same values there, and the plan made again serves the next such steps with no
+/// device allocation.
+fn a_longer_sequence_computes_in_its_plan_scaled(dev: Device) -> TestResult {
+    for hold in [false, true] {
+        let name = if hold {
+            "cuda-scaled-held"
+        } else {
+            "cuda-scaled"
+        };
+        arena(name);
+        let n = 1 << 16;
+        for _ in 0..2 {
+            layer_step(dev, name, n, hold)?;
+        }
+        let grown = layer_step(dev, name, n + n / 2, hold)?;
+        if caching() {
+            // 18 arrays: one block and a few arrays apart, not one allocation each.
+            assert!(
+                grown < if hold { 12 } else { 4 },
+                "hold {hold}: {grown} device allocations"
+            );
+            assert_eq!(
+                layer_step(dev, name, n + n / 2, hold)?,
+                0,
+                "hold {hold}: planned again"
+            );
+            assert_eq!(
+                layer_step(dev, name, n, hold)?,
+                0,
+                "hold {hold}: a shorter one fits"
+            );
+        }
+        gpucache::invalidate(name);
+    }
+    Ok(())
+}
+
 /// Runs `f` in a scope of `name`.
 fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
     let _scope = enter(name);
@@ -881,6 +967,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     an_arena_block_is_reused_only_after_a_marked_stream,
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     prompt_and_decoding_steps_compute_on_their_own_plans,
+    a_longer_sequence_computes_in_its_plan_scaled,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,
     an_escaped_array_is_not_overwritten_by_later_steps,

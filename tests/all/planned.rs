@@ -122,17 +122,18 @@ fn smaller_steps_fit_the_plan_and_a_larger_one_plans_again() {
 /// making a wide scratch array and the next hidden state, the last layer's output dropped at the
 /// step's end. With `hold_input`, the input lives through the whole step (a mask used by every
 /// layer). Every array is filled and checked while the next ones are made. Returns the bytes
-/// the step's arrays had alive at once, at most.
-fn layers(name: &str, len: usize, hold_input: bool) -> usize {
+/// the step's arrays had alive at once, at most, and the layers' addresses.
+fn layers(name: &str, len: usize, hold_input: bool) -> (usize, Vec<usize>) {
     let _scope = gpucache::enter(name);
     let input = filled(DEV, 100u8, [len, 8]);
     let mut x = filled(DEV, 0u8, [len, 64]);
     let held = if hold_input { len * 8 } else { 0 };
     let input = hold_input.then_some(input);
-    let mut peak = 0;
+    let (mut peak, mut at) = (0, Vec::new());
     for layer in 1..=12u8 {
         let wide = filled(DEV, layer, [len, 256]);
         let y = filled(DEV, layer, [len, 64]);
+        at.extend([addr(&wide), addr(&y)]);
         assert!(
             common::all_eq(&x, layer - 1),
             "layer {layer}: its input was overwritten"
@@ -144,7 +145,7 @@ fn layers(name: &str, len: usize, hold_input: bool) -> usize {
     if let Some(input) = &input {
         assert!(common::all_eq(input, 100), "the input was overwritten");
     }
-    peak
+    (peak, at)
 }
 
 #[test]
@@ -159,7 +160,7 @@ fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
     // Every array is half as large again. The first goes apart on its own (a position that
     // grew, while the step may still fit); the second shows that the step outgrew its plan,
     // and the plan scaled by that ratio serves the rest of it, in one new block.
-    let peak = layers(name, 150, false);
+    let (peak, scaled) = layers(name, 150, false);
     let grown = backend.allocs() - allocs;
     assert_eq!(grown, 2, "one array apart and one block, not one per array");
     assert!(
@@ -167,8 +168,10 @@ fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
         "{} bytes held for {peak} live",
         backend.peak_bytes()
     );
-    // The scaled block holds the new plan: no allocation for steps up to that length.
-    for len in [150, 120, 150] {
+    // The scaled plan, which held the step, stays the plan: the next steps up to that length
+    // allocate nothing, and that length's arrays keep their addresses.
+    assert_eq!(layers(name, 150, false).1, scaled);
+    for len in [120, 150] {
         layers(name, len, false);
     }
     assert_eq!(backend.allocs(), allocs + grown);

@@ -16,7 +16,8 @@
 //! position, and larger in all than the block allows) gets solo blocks while the plan's block is
 //! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
 //! the ratio in which the step grew ([`Layout::scale`]), serves the rest of the step from one new
-//! block, which the next plan keeps when it fits. Any other step (another order, extra or missing
+//! block. The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
+//! offsets, and the views made at them, stay); else the next plan keeps the block when it fits. Any other step (another order, extra or missing
 //! allocations, an array kept alive), or one that outgrew its plan while arrays planned to live
 //! through most of it hold the block, is served from the block's free ranges ([`Gaps`]); an
 //! allocation they cannot hold gets a solo block (and, in a step that did not outgrow its plan,
@@ -665,9 +666,17 @@ impl DeviceArena {
             plan.ready = false;
         }
         let tainted = self.plan.as_ref().is_some_and(|p| p.tainted);
+        // A step served from its plan scaled, which holds it as it was: the scaled plan is kept
+        // (planned again, its offsets would change, and every view be made again).
+        let kept = self.scaled
+            && !self.diverged
+            && self
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.layout.holds(&self.record));
         if self.overflowed {
             retired += usize::from(self.drop_plan(st));
-        } else if n > 0 && (self.diverged || self.replan || !followed) {
+        } else if n > 0 && (self.diverged || self.replan || !followed) && !kept {
             let old = self.plan.take();
             let same = old
                 .as_ref()

@@ -494,6 +494,25 @@ impl Layout {
         self.spots.get(k as usize).map_or(NONE, |s| s.rec)
     }
 
+    /// Whether the plan holds the step recorded as `record` as it is: the step matched every
+    /// position in order, each array placed is no larger than its position, and each array
+    /// apart outlived the step as planned.
+    pub(super) fn holds(&self, record: &[Rec]) -> bool {
+        record.len() == self.spots.len()
+            && record
+                .iter()
+                .zip(&self.spots)
+                .enumerate()
+                .all(|(k, (r, s))| {
+                    r.planned as usize == k
+                        && if s.apart {
+                            r.end == OPEN
+                        } else {
+                            r.bytes <= s.size
+                        }
+                })
+    }
+
     /// Whether the step so far matched every position of the plan, skipping none.
     pub(super) fn reached_end(&self) -> bool {
         !self.skipped && self.cursor as usize == self.spots.len()
@@ -792,6 +811,28 @@ mod tests {
             l.scale(&[matched(1024, 2, 0)]),
             "a confirmed plan scales by any ratio"
         );
+    }
+
+    #[test]
+    fn a_plan_holds_a_step_that_matched_it_in_order_within_its_sizes() {
+        let l = Layout::new(&step(), None);
+        let same = [
+            matched(256, 2, 0),
+            matched(512, 3, 1),
+            matched(100, 4, 2),
+            matched(4096, OPEN, 3),
+        ];
+        assert!(l.holds(&same));
+        let mut larger = same;
+        larger[1].bytes = 768;
+        assert!(!l.holds(&larger), "larger than its position");
+        let mut died = same;
+        died[3].end = 4;
+        assert!(!l.holds(&died), "planned apart, died in the step");
+        assert!(!l.holds(&same[..3]), "ended early");
+        let mut shifted = same;
+        shifted[2].planned = 3;
+        assert!(!l.holds(&shifted), "out of order");
     }
 
     #[test]

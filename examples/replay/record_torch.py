@@ -25,6 +25,8 @@ made when recording started, with fewer entries than ``max_entries``: a truncate
 Built-in models (random weights, from configs; no network needed)::
 
     python3 examples/replay/record_torch.py gpt2-train resnet-train bert-infer gpt2-decode \
+        vit-train effnet-infer llama-serve convnext-infer opt-serve \
+        bert-eager-infer gpt2-infer resnet18-infer vit-infer \
         --out /tmp/logs            # writes /tmp/logs/<model>.csv.gz
     python3 examples/replay/record_torch.py tiny --out /tmp   # a self-check of the recorder
 

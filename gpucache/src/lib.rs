@@ -198,12 +198,11 @@
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held
 //! over the peak live bytes is 1.08x on GPT-2 training, 1.005x on ResNet-50 training, 1.07x on
-//! ViT-S/16 training, 1.07x on a BERT encoder whose sequence length varies every batch, 1.03x
-//! and 1.04x on EfficientNet and ConvNeXt whose batch varies every step, 1.23x on GPT-2 decoding,
-//! and 1.43x and 1.34x on Llama-style and OPT servers alternating prompts and decoding, against
-//! 2.4x, 3.6x, 4.2x, 86x, 28x, 39x, 17x, 36x and 19x for exact keys with [`Reuse::OnExit`]
-//! (CUDA's stream-ordered pool: 1.02x, 1.06x, 1.06x, 1.59x, 1.13x, 1.53x, 1.59x, 1.48x and
-//! 1.41x).
+//! ViT-S/16 training; 1.09x, 1.01x and 1.05x on BERT (two attention kernels) and GPT-2 whose
+//! sequence length varies every batch; 1.04x, 1.05x, 1.09x and 1.09x on EfficientNet,
+//! ConvNeXt, ResNet-18 and ViT-B whose batch varies every step; 1.23x on GPT-2 decoding; and
+//! 1.40x and 1.34x on Llama-style and OPT servers alternating prompts and decoding. Exact keys
+//! with [`Reuse::OnExit`] hold 2.4x to 106x there, CUDA's stream-ordered pool 1.02x to 1.82x.
 //!
 //! ## Choosing a key policy
 //!

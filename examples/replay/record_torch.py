@@ -480,7 +480,17 @@ def record_varying(out, name, model, inputs, run):
     return rec.write(os.path.join(out, f"{name}.csv.gz"))
 
 
-def record_bert_eager_infer(out, steps=12, batch=4):
+def record_lengths(out, name, model, vocab, most, seed, run, steps=12, batch=4):
+    """`model` on `batch` sequences of random tokens (below `vocab`) whose length varies every
+    step (16 to `most`); `run` calls it on a batch of token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, most + 1, (steps,), generator=gen).tolist()
+    print(f"{name}: sequence lengths {lengths}", flush=True)
+    inputs = [torch.randint(0, vocab, (batch, n), generator=gen) for n in lengths]
+    return record_varying(out, name, model, inputs, run)
+
+
+def record_bert_eager_infer(out):
     """BERT-base with eager attention (its scores are batch x heads x length x length: they grow
     with the square of the length, the rest linearly), the length varying every step."""
     from transformers import BertConfig, BertModel
@@ -490,37 +500,25 @@ def record_bert_eager_infer(out, steps=12, batch=4):
     config = BertConfig()
     config._attn_implementation = "eager"
     model = BertModel(config).to(dev).eval()
-    gen = torch.Generator().manual_seed(11)
-    lengths = torch.randint(16, 513, (steps,), generator=gen).tolist()
-    print(f"bert-eager-infer: sequence lengths {lengths}", flush=True)
-    inputs = [torch.randint(0, 30522, (batch, n), generator=gen) for n in lengths]
-    return record_varying(
-        out,
-        "bert_eager_infer",
-        model,
-        inputs,
-        lambda ids: model(input_ids=ids.to(dev)).last_hidden_state.sum().item(),
-    )
+
+    def run(ids):
+        return model(input_ids=ids.to(dev)).last_hidden_state.sum().item()
+
+    return record_lengths(out, "bert_eager_infer", model, 30522, 512, 11, run)
 
 
-def record_gpt2_infer(out, steps=12, batch=4):
+def record_gpt2_infer(out):
     """GPT-2 small scoring sequences whose length varies every step (16 to 1024 tokens)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()
-    gen = torch.Generator().manual_seed(12)
-    lengths = torch.randint(16, 1025, (steps,), generator=gen).tolist()
-    print(f"gpt2-infer: sequence lengths {lengths}", flush=True)
-    inputs = [torch.randint(0, 50257, (batch, n), generator=gen) for n in lengths]
-    return record_varying(
-        out,
-        "gpt2_infer",
-        model,
-        inputs,
-        lambda ids: model(input_ids=ids.to(dev)).logits.argmax(-1).sum().item(),
-    )
+
+    def run(ids):
+        return model(input_ids=ids.to(dev)).logits.argmax(-1).sum().item()
+
+    return record_lengths(out, "gpt2_infer", model, 50257, 1024, 12, run)
 
 
 def record_vision_infer(out, name, make, most, seed, steps=12):

@@ -17,11 +17,11 @@
 //! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
 //! the ratio in which the step grew ([`Layout::scale`]), serves the rest of the step from one new
 //! block. The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
-//! offsets, and the views made at them, stay); else the next plan keeps the block when it fits. Any other step (another order, extra or missing
-//! allocations, an array kept alive), or one that outgrew its plan while arrays planned to live
-//! through most of it hold the block, is served from the block's free ranges ([`Gaps`]); an
-//! allocation they cannot hold gets a solo block (and, in a step that did not outgrow its plan,
-//! closes them). So a fixed-shape loop settles on one plan after its second step, and a loop
+//! offsets, and the views made at them, stay); else the next plan keeps the block when it fits.
+//! Any other step (another order, extra or missing allocations, an array kept alive), or one
+//! that outgrew its plan while arrays planned to live through most of it hold the block, is
+//! served from the block's free ranges ([`Gaps`]); an allocation they cannot hold gets a solo
+//! block (and, in a step that did not outgrow its plan, closes them). So a fixed-shape loop settles on one plan after its second step, and a loop
 //! whose sizes vary settles on one that fits its largest step, with one block allocated per
 //! step larger than every one before it rather than one per array.
 //!
@@ -859,8 +859,10 @@ impl CacheState {
                     {
                         // The step outgrew its plan and the old block is gone: the plan scaled
                         // serves the rest of the step (in a new block, made for this
-                        // allocation), and the step is planned again at its end. No array is
-                        // in the new block: no position is taken there.
+                        // allocation; not past the step's middle, where a block would serve
+                        // too little). No array is in the new block: no position is taken
+                        // there. At the step's end it is planned again, unless the scaled plan
+                        // held it.
                         plan.layout.clear_live();
                         a.diverged = false;
                         a.replan = true;

@@ -88,7 +88,7 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) outgrew: bool,
     /// The step outgrew its plan and follows the plan scaled as it grew.
     pub(super) scaled: bool,
-    /// The step outgrew its plan and is served from the gaps of a block still in use: an
+    /// The step outgrew its plan (or its scaled plan) and is served from a block's gaps: an
     /// allocation no gap holds goes apart, and the gaps stay open.
     pub(super) keep_gaps: bool,
     pub(super) plan: Option<Plan>,

@@ -91,9 +91,7 @@ pub fn peak_live(lives: &[Lifetime]) -> usize {
 /// and with first fit, the plan with the smaller footprint.
 /// Sizes are taken as they are (align them first to place arrays at aligned offsets).
 pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
-    let mut by_size: Vec<usize> = (0..lives.len()).collect();
-    // Largest first; ties by start, then position, so that the plan is deterministic.
-    by_size.sort_by_key(|&i| (std::cmp::Reverse(lives[i].bytes), lives[i].start, i));
+    let by_size = size_order(lives);
     let overlaps = Overlaps::of(lives);
     let best = place(lives, &by_size, &overlaps, true);
     let first = place(lives, &by_size, &overlaps, false);
@@ -103,6 +101,14 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
     } else {
         best
     }
+}
+
+/// The indices of `lives`, largest first; ties by start, then position, so that the plan is
+/// deterministic.
+fn size_order(lives: &[Lifetime]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..lives.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(lives[i].bytes), lives[i].start, i));
+    order
 }
 
 /// The most pairs of overlapping lifetimes [`Overlaps`] lists; past it, each array's overlaps
@@ -256,8 +262,7 @@ mod tests {
         for case in 0..2000 {
             let n = rng.usize(0..60);
             let lives = random_lives(&mut rng, n, case % 3 == 0);
-            let mut order: Vec<usize> = (0..n).collect();
-            order.sort_by_key(|&i| (std::cmp::Reverse(lives[i].bytes), lives[i].start, i));
+            let order = size_order(&lives);
             // Listed with room for every pair, and with too little room (then it scans).
             for most in [usize::MAX, rng.usize(0..8)] {
                 let overlaps = Overlaps::listed(&lives, most);

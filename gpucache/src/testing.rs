@@ -167,6 +167,7 @@ impl fmt::Debug for CountingBackend {
             .field("frees", &self.frees())
             .field("failures", &self.failures())
             .field("outstanding_bytes", &self.outstanding_bytes())
+            .field("peak_bytes", &self.peak_bytes())
             .finish()
     }
 }

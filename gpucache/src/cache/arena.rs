@@ -21,9 +21,10 @@
 //! Any other step (another order, extra or missing allocations, an array kept alive), or one
 //! that outgrew its plan while arrays planned to live through most of it hold the block, is
 //! served from the block's free ranges ([`Gaps`]); an allocation they cannot hold gets a solo
-//! block (and, in a step that did not outgrow its plan, closes them). So a fixed-shape loop settles on one plan after its second step, and a loop
-//! whose sizes vary settles on one that fits its largest step, with one block allocated per
-//! step larger than every one before it rather than one per array.
+//! block (and, in a step that did not outgrow its plan, closes them). So a fixed-shape loop
+//! settles on one plan after its second step, and a loop whose sizes vary settles on one that
+//! fits its largest step, with one block allocated per step larger than every one before it
+//! rather than one per array.
 //!
 //! # Positions that grow, and kinds of step
 //!
@@ -845,7 +846,7 @@ impl CacheState {
                             return Planned::Failed(e);
                         }
                         a.outgrew = plan.gaps.is_none();
-                        a.keep_gaps = grew || a.scaled;
+                        a.keep_gaps = held || a.scaled;
                         self.live += usize::from(a.release_unused_block(st));
                     }
                     let a = &mut self.arenas.devices[i];

@@ -379,21 +379,15 @@ impl Layout {
     /// order, extra or missing allocations) says nothing of its size that way: it is tried in
     /// the block's free bytes.
     pub(super) fn outgrown(&self, record: &[Rec], block: usize) -> bool {
-        self.growth(record).is_some_and(|(asked, planned)| {
+        self.growth(record).is_some_and(|((asked, planned), _)| {
             asked * self.footprint as u128 > planned * block.max(self.footprint) as u128
         })
     }
 
-    /// The bytes the step recorded so far as `record` asked for at the plan's placed positions,
-    /// and the bytes those positions hold, when it was matched with the plan position by
-    /// position (`None` otherwise).
-    fn growth(&self, record: &[Rec]) -> Option<(u128, u128)> {
-        Some(self.growths(record)?.0)
-    }
-
-    /// [`Layout::growth`], and the bytes asked for at the largest of those positions with the
-    /// bytes it holds.
-    fn growths(&self, record: &[Rec]) -> Option<((u128, u128), (u128, u128))> {
+    /// The bytes the step recorded so far as `record` asked for at the plan's placed positions
+    /// and the bytes those positions hold, then the same for the largest of those positions,
+    /// when the step was matched with the plan position by position (`None` otherwise).
+    fn growth(&self, record: &[Rec]) -> Option<((u128, u128), (u128, u128))> {
         let (mut asked, mut planned) = (0u128, 0u128);
         let mut largest = (0u128, 0u128);
         for (k, r) in record.iter().enumerate() {
@@ -422,7 +416,7 @@ impl Layout {
     pub(super) fn scale(&mut self, record: &[Rec]) -> bool {
         let unconfirmed = self.cold && !self.confirmed;
         let Some(((asked, planned), largest)) = self
-            .growths(record)
+            .growth(record)
             .filter(|&((a, p), _)| a > p && !(unconfirmed && a > 2 * p))
         else {
             return false;
@@ -735,23 +729,17 @@ mod tests {
 
     #[test]
     fn a_plan_scaled_as_its_step_grew_still_keeps_arrays_alive_together_apart() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rng = fastrand::Rng::with_seed(11);
         for _ in 0..300 {
-            let n = 2 + next(40) as u32;
+            let n = rng.u32(2..42);
             let record: Vec<Rec> = (0..n)
                 .map(|k| {
-                    let end = if next(8) == 0 {
+                    let end = if rng.u8(0..8) == 0 {
                         OPEN
                     } else {
-                        k + 1 + next(u64::from(n - k)) as u32
+                        rng.u32(k + 1..=n)
                     };
-                    rec(512 * (1 + next(64) as usize), end)
+                    rec(512 * rng.usize(1..=64), end)
                 })
                 .collect();
             let mut l = Layout::new(&record, None);
@@ -760,14 +748,14 @@ mod tests {
             }
             l.confirmed = true;
             // The next step grew by 1 + g/8 so far, position by position.
-            let g = 1 + next(16) as usize;
-            let seen = 1 + next(u64::from(n)) as usize;
+            let g = rng.usize(1..=16);
+            let seen = rng.usize(1..=n as usize);
             let grown: Vec<Rec> = record[..seen]
                 .iter()
                 .enumerate()
                 .map(|(k, r)| matched(r.bytes + r.bytes * g / 8, r.end, k as u32))
                 .collect();
-            let (asked, planned) = l.growth(&grown).unwrap();
+            let ((asked, planned), _) = l.growth(&grown).unwrap();
             if asked <= planned {
                 assert!(!l.scale(&grown));
                 continue;

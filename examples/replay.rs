@@ -28,7 +28,9 @@
 //! before, and the pool trimmed. An untimed round comes first, which follows gpucache's peak
 //! (reading the backend's bytes after every allocation); the timed rounds do not, so that the
 //! host times compare the allocators alone. The memory figures are that round's (the same every
-//! round but the pool's), the pool's peak the highest of the rounds.
+//! round but the pool's), the pool's peak the highest of the rounds. The clock runs over the
+//! log's operations made ready beforehand (each array's shape built, each buffer a slot of a
+//! vector), so that it times the allocators, not the parsing of the log or a map of buffers.
 
 use gpucache_suite::replay;
 

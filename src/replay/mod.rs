@@ -36,7 +36,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use gpucache::trace::{EventKind, Trace, TraceKey};
-use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard};
+use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse, ScopeGuard, Shape};
 
 /// The gpucache configurations the report replays every log under (a new policy is one line).
 pub const CONFIGS: &[(&str, CacheConfig)] = &[
@@ -461,6 +461,76 @@ pub fn replay(ops: &[Op], dev: Device, mode: Mode) -> Result<Replay> {
     replay_with(ops, dev, mode, Peak::Tracked)
 }
 
+/// One operation of a log made ready for the timed replay.
+enum Ready<'a> {
+    Enter(&'a str),
+    Exit,
+    Invalidate(&'a str),
+    /// The shape: u8 elements, the element size as a last dimension (the same key for the same
+    /// element size and shape).
+    Alloc {
+        slot: usize,
+        bytes: usize,
+        shape: Shape,
+    },
+    Free {
+        slot: usize,
+    },
+    /// A `free` of a buffer the log never allocated.
+    Skip,
+}
+
+/// A log made ready: its operations, and how many slots hold its live buffers at once.
+struct Prepared<'a> {
+    ops: Vec<Ready<'a>>,
+    slots: usize,
+}
+
+/// `ops` made ready for [`replay_with`]: each live buffer gets a slot (a freed buffer's slot
+/// serves the next one), so that the replay keeps its arrays in a vector rather than a map.
+fn prepare(ops: &[Op]) -> Prepared<'_> {
+    let mut slot_of: HashMap<u64, usize> = HashMap::new();
+    let (mut free, mut slots) = (Vec::new(), 0usize);
+    let ops = ops
+        .iter()
+        .map(|op| match op {
+            Op::Enter(cache) => Ready::Enter(cache),
+            Op::Exit(_) => Ready::Exit,
+            Op::Invalidate(cache) => Ready::Invalidate(cache),
+            Op::Alloc {
+                buffer,
+                bytes,
+                elem,
+                dims,
+                ..
+            } => {
+                // A buffer number allocated again while live keeps its slot (see the replay).
+                let slot = *slot_of.entry(*buffer).or_insert_with(|| {
+                    free.pop().unwrap_or_else(|| {
+                        slots += 1;
+                        slots - 1
+                    })
+                });
+                let mut shape = dims.clone();
+                shape.push(*elem);
+                Ready::Alloc {
+                    slot,
+                    bytes: *bytes,
+                    shape: shape.into(),
+                }
+            }
+            Op::Free { buffer } => match slot_of.remove(buffer) {
+                Some(slot) => {
+                    free.push(slot);
+                    Ready::Free { slot }
+                }
+                None => Ready::Skip,
+            },
+        })
+        .collect();
+    Prepared { ops, slots }
+}
+
 /// [`replay`], following the peak of a replay through gpucache or not.
 pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<Replay> {
     enum Live {
@@ -498,7 +568,11 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
         Mode::Configured(_) | Mode::Bare if dev.is_cuda() => pool::reset(dev, 0)?,
         _ => {}
     }
-    let mut live: HashMap<u64, Live> = HashMap::new();
+    // The operations made ready before the clock starts (shapes built, buffer numbers turned
+    // into slots of a vector), so that the timed loop costs the allocator, not the harness.
+    let prepared = prepare(ops);
+    let mut live: Vec<Option<Live>> = Vec::new();
+    live.resize_with(prepared.slots, || None);
     let mut scopes: Vec<ScopeGuard> = Vec::new();
     let mut depth = 0usize;
     let before = gpucache::device_stats(dev)?;
@@ -520,9 +594,9 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
         })
     };
     let start = std::time::Instant::now();
-    for op in ops {
+    for op in &prepared.ops {
         match op {
-            Op::Enter(cache) => {
+            Ready::Enter(cache) => {
                 if depth == 0 {
                     step_start = std::time::Instant::now();
                     step_allocs_before = allocs_now(bare_allocs)?;
@@ -532,7 +606,7 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
                     scopes.push(gpucache::enter(cache));
                 }
             }
-            Op::Exit(_) => {
+            Ready::Exit => {
                 depth = depth.saturating_sub(1);
                 scopes.pop();
                 if depth == 0 {
@@ -541,23 +615,13 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
                     steps.1.push(step_start.elapsed().as_secs_f64());
                 }
             }
-            Op::Invalidate(cache) => {
+            Ready::Invalidate(cache) => {
                 if cached {
                     gpucache::invalidate(cache);
                 }
             }
-            Op::Alloc {
-                buffer,
-                bytes,
-                elem,
-                dims,
-                ..
-            } => {
+            Ready::Alloc { slot, bytes, shape } => {
                 let array = if cached {
-                    // u8 elements, the element size as a last dimension: the same key
-                    // for the same (element size, shape).
-                    let mut shape = dims.clone();
-                    shape.push(*elem);
                     let a = Array::<u8>::empty(dev, shape)?;
                     if track == Peak::Tracked {
                         let held = gpucache::device_stats(dev)?.bytes_allocated;
@@ -572,11 +636,11 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
                 };
                 // A buffer number allocated again while live (not in a log `read` accepts)
                 // ends the earlier buffer.
-                if let Some(Live::Bare(_, old)) = live.insert(*buffer, array) {
+                if let Some(Live::Bare(_, old)) = live[*slot].replace(array) {
                     bare_bytes -= old;
                 }
             }
-            Op::Free { buffer } => match live.remove(buffer) {
+            Ready::Free { slot } => match live[*slot].take() {
                 Some(Live::Bare(b, bytes)) => {
                     bare_bytes -= bytes;
                     drop(b);
@@ -584,6 +648,7 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
                 Some(Live::Cached(a)) => drop(a),
                 None => {}
             },
+            Ready::Skip => {}
         }
     }
     drop(live);

@@ -13,7 +13,9 @@
 //! 3. a device allocation is refused while the thread captures a step graph (it would be
 //!    captured, not made);
 //! 4. the backend allocates; when the device is out of memory, the caches give back what no
-//!    array owns (this thread's for that device, then every thread's) and it retries once;
+//!    array owns (this thread's for that device, then every thread's) and it retries once; a
+//!    planned cache's block larger than the array (a plan's whole block, room to grow) that
+//!    still does not fit is asked again at the array's own size;
 //! 5. the cache accounts the new buffer ([`CacheCell::adopt`]).
 //!
 //! Zeroing is decided once per allocation, from its [`Init`] and element type
@@ -90,7 +92,15 @@ pub(crate) fn alloc_slow(req: &Request<'_>, zero: bool) -> Result<Option<Got>> {
         };
         // A block that reaches the array as a view is zeroed as a recycled buffer is (by the
         // array, when asked), not as a whole.
-        let block = device_alloc(req, Some(cache), capacity, zero && !view)?;
+        let block = match device_alloc(req, Some(cache), capacity, zero && !view) {
+            // A planned cache's block larger than the array (a plan's block, room to grow) that
+            // the device cannot give even after recovery: the array alone may still fit, and
+            // the cache makes whatever block it gets a block of its own.
+            Err(Error::OutOfMemory { .. }) if view && capacity > req.bytes => {
+                device_alloc(req, Some(cache), req.bytes, false)?
+            }
+            got => got?,
+        };
         match cache.adopt(req, block)? {
             Got::Fresh(mut block, home) if view && zero => {
                 block.zero(req.bytes)?;

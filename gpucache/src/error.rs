@@ -43,7 +43,8 @@ pub enum Error {
 
     /// The device could not provide the memory, even after gpucache gave back everything its
     /// caches held for the device that no array owns (this thread's caches, then every other
-    /// thread's, buffers returned from other threads included) and retried once.
+    /// thread's, buffers returned from other threads included) and retried once (a planned
+    /// cache that asked for a block larger than the array, once more for the array alone).
     ///
     /// What to do: drop arrays you no longer need, [`invalidate`](crate::invalidate) caches you
     /// are done with, or use smaller batches. `cached` bytes are held by scopes active on other

@@ -154,7 +154,9 @@
 //!   [`empty_cache`] does the same for every cache of every thread.
 //! * **Out of memory**: a failed device allocation gives back what the caches hold for the device
 //!   that no array owns (this thread's caches, then every thread's) and retries once, then
-//!   returns [`Error::OutOfMemory`].
+//!   returns [`Error::OutOfMemory`]. A planned cache that asked for more than the array (its
+//!   plan's block, or room for an array that grows) asks once more for the array alone first:
+//!   a step that outgrows its plan on a nearly full device goes on, served array by array.
 //!
 //! ## Memory of a step
 //!

@@ -697,6 +697,42 @@ fn out_of_memory_recovery_releases_plan_blocks_and_spares() {
 }
 
 #[test]
+fn a_plan_block_the_device_cannot_give_serves_the_array_alone() {
+    let _serial = serial();
+    let name = "planned-oom-scaled";
+    let (backend, _installed) = planned(name, None);
+    layers(name, 100, false);
+    layers(name, 100, false);
+    // The longer step asks for its plan scaled, in one block: the device refuses it, and again
+    // once the caches gave back what they hold. The array alone fits: the step goes on, every
+    // value checked, served apart from then on (the plan went with the recovery).
+    let allocs = backend.allocs();
+    backend.fail_nth(1);
+    backend.fail_nth(2);
+    layers(name, 150, false);
+    assert_eq!(backend.failures(), 2, "the scaled block, and its retry");
+    assert!(backend.allocs() > allocs + 1);
+    // Planned again from that step: the next ones allocate nothing.
+    layers(name, 150, false);
+    let allocs = backend.allocs();
+    layers(name, 150, false);
+    assert_eq!(backend.allocs(), allocs);
+    // When the array alone does not fit either, a typed error, and nothing held.
+    backend.fail_nth(1);
+    backend.fail_nth(2);
+    backend.fail_nth(3);
+    backend.fail_nth(4);
+    let _scope = gpucache::enter(name);
+    let err = Array::<u8>::empty(DEV, [300, 64]).unwrap_err();
+    assert!(
+        matches!(err, gpucache::Error::OutOfMemory { requested, .. } if requested == 300 * 64),
+        "{err}"
+    );
+    assert_eq!(backend.failures(), 6);
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
 fn arrays_outliving_their_thread_free_their_blocks() {
     let _serial = serial();
     let backend = CountingBackend::new();

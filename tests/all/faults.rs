@@ -2,8 +2,8 @@
 //! a row, against a device limit, and under concurrency. A single failure is absorbed by the
 //! runtime (it releases cached buffers and retries once); a second failure in a row surfaces as
 //! `Error::OutOfMemory` (when a planned cache asked for more than the array, after one more
-//! attempt at the array's size: `tests/all/planned.rs`) — never a panic. Either way nothing leaks, the thread keeps working and
-//! the stats stay exact.
+//! attempt at the array's size: `tests/all/planned.rs`) — never a panic. Either way nothing
+//! leaks, the thread keeps working and the stats stay exact.
 //!
 //! Out-of-memory recovery releases every thread's caches, so the tests of this binary run one
 //! at a time (`serial()`).

@@ -149,13 +149,23 @@ fn layers(name: &str, len: usize, hold_input: bool) -> (usize, Vec<usize>) {
     (peak, at)
 }
 
+/// Cache `name` made a planned one on a fresh counting backend, and planned from two steps of
+/// [`layers`] of length 100 (`hold_input` as given).
+fn planned_layers(
+    name: &str,
+    hold_input: bool,
+) -> (Arc<CountingBackend>, gpucache::testing::BackendGuard) {
+    let planned = planned(name, None);
+    layers(name, 100, hold_input);
+    layers(name, 100, hold_input);
+    planned
+}
+
 #[test]
 fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
     let _serial = serial();
     let name = "planned-scaled";
-    let (backend, _installed) = planned(name, None);
-    layers(name, 100, false);
-    layers(name, 100, false);
+    let (backend, _installed) = planned_layers(name, false);
     let allocs = backend.allocs();
     backend.reset_peak();
     // The layers' arrays are half as large again: the step outgrows its plan at its first
@@ -181,9 +191,7 @@ fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
 fn a_longer_sequence_whose_input_holds_the_block_is_served_from_its_free_bytes() {
     let _serial = serial();
     let name = "planned-scaled-held";
-    let (backend, _installed) = planned(name, None);
-    layers(name, 100, true);
-    layers(name, 100, true);
+    let (backend, _installed) = planned_layers(name, true);
     let allocs = backend.allocs();
     // The small array, alive through the step, keeps the old block in use: the longer step
     // takes what fits in the block's free bytes and allocates the rest apart (serving all of it
@@ -700,9 +708,7 @@ fn out_of_memory_recovery_releases_plan_blocks_and_spares() {
 fn a_plan_block_the_device_cannot_give_serves_the_array_alone() {
     let _serial = serial();
     let name = "planned-oom-scaled";
-    let (backend, _installed) = planned(name, None);
-    layers(name, 100, false);
-    layers(name, 100, false);
+    let (backend, _installed) = planned_layers(name, false);
     // The longer step asks for its plan scaled, in one block: the device refuses it, and again
     // once the caches gave back what they hold. The array alone fits: the step goes on, every
     // value checked, served apart from then on (the plan went with the recovery).

@@ -384,6 +384,8 @@ mod scope;
 mod shape;
 mod sync;
 pub mod testing;
+#[cfg(test)]
+mod tests;
 mod thread;
 pub mod trace;
 

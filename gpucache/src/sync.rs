@@ -122,3 +122,9 @@ pub(crate) fn model(name: &str, f: impl Fn() + Sync + Send + 'static) {
         start.elapsed()
     );
 }
+
+/// Held by the unit tests that give back what every cache holds (`registry`'s) and by those
+/// that count what one cache keeps across its steps (`tests`), which the former would empty
+/// under them: the unit tests run on several threads at once.
+#[cfg(test)]
+pub(crate) static GLOBAL_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());

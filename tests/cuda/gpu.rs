@@ -956,6 +956,61 @@ fn a_longer_sequence_computes_in_its_plan_scaled(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// A decoder's cache of keys and values, one token longer every step, made in one step and
+/// dropped in the next (so planned apart): after the first steps each comes from the block the
+/// one before last had, a spare, through the view that array had (the view spans the block, so
+/// a longer array fits it). Kernels write every element and every value is checked, the arrays
+/// alive are never written over, and a step on another stream, where the view of the spare
+/// cannot serve, computes on the spare through a new view.
+fn a_spare_serves_longer_arrays_through_the_view_it_kept(dev: Device) -> TestResult {
+    let name = "cuda-spare-view";
+    arena(name);
+    let side = gpucache::cuda::context(dev)?.new_stream()?;
+    let mut kv: Option<(Array<f32>, f32)> = None;
+    let mut misses = 0;
+    for t in 0..12usize {
+        // Steps 8 and 9 on another stream, the others on the device's default one.
+        let _on_side = (8..10)
+            .contains(&t)
+            .then(|| gpucache::cuda::use_stream(&side))
+            .transpose()?;
+        let stream = current(dev);
+        let _scope = enter(name);
+        let v = t as f32 + 1.0;
+        let mut x = Array::<f32>::empty(dev, 256)?;
+        fill(&stream, &mut x, v)?;
+        let mut next = Array::<f32>::empty(dev, (1 << 14) + 64 * t)?;
+        fill(&stream, &mut next, 2.0 * v)?;
+        affine(&stream, &mut next, &x, 1.0, 0.0)?;
+        // What the kernels wrote in step `w`'s array: `x` then twice as much.
+        let holds = |a: &Array<f32>, w: f32| -> Result<bool, Error> {
+            let got = a.to_vec()?;
+            Ok(got[..256].iter().all(|&e| e == w) && got[256..].iter().all(|&e| e == 2.0 * w))
+        };
+        if let Some((old, w)) = kv.take() {
+            assert!(
+                holds(&old, w)?,
+                "step {t}: the cache of the step before was written over"
+            );
+        }
+        assert!(holds(&next, v)?, "step {t}: the kernels' values");
+        kv = Some((next, v));
+        if t == 3 {
+            misses = stats(name).misses;
+        }
+    }
+    if caching() {
+        let s = stats(name);
+        assert_eq!(
+            s.misses, misses,
+            "no device allocation after the fourth step: {s}"
+        );
+    }
+    drop(kv);
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// Runs `f` in a scope of `name`.
 fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
     let _scope = enter(name);
@@ -973,6 +1028,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     prompt_and_decoding_steps_compute_on_their_own_plans,
     a_longer_sequence_computes_in_its_plan_scaled,
+    a_spare_serves_longer_arrays_through_the_view_it_kept,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,
     an_escaped_array_is_not_overwritten_by_later_steps,

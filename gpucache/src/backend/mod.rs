@@ -135,6 +135,8 @@ impl Block {
         bytes: usize,
     ) -> Result<Block> {
         debug_assert!(offset + bytes <= self.bytes() && bytes > 0);
+        #[cfg(test)]
+        VIEWS_MADE.with(|n| n.set(n.get() + 1));
         let storage = match &*self.storage {
             // SAFETY: the range is inside this block's allocation (caller), so the pointer stays
             // in bounds and non-null; the view's backend never frees it.
@@ -415,4 +417,11 @@ pub(crate) fn push_cpu_override(backend: Arc<dyn Backend>) -> u64 {
 /// order remove their own entry, and the last installed one that remains serves).
 pub(crate) fn remove_cpu_override(id: u64) {
     let _ = CPU_OVERRIDES.try_with(|o| o.borrow_mut().retain(|(i, _)| *i != id));
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The views [`Block::view`] made on this thread (unit tests count them: a view costs a
+    /// cudarc slice with two events on CUDA).
+    pub(crate) static VIEWS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }

@@ -57,7 +57,12 @@
 //! class. When such a block's array drops in a later step than it was made in, the block is kept
 //! as a *spare*, for the next solo array it fits (at most a quarter larger), through the end of the
 //! next step; then it goes back to the device. A solo block whose array dropped within its step
-//! goes back at once: the next plan holds its bytes.
+//! goes back at once: the next plan holds its bytes. A solo block's view spans the whole block,
+//! and a spare whose array dropped on the owner thread, used on no other stream, keeps that view
+//! ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a decoder's
+//! cache of keys and values, replaced every step, makes no view at all once its spares go round
+//! (a spare served on another stream first orders that stream after its earlier work, as a
+//! recycled buffer is, and gets a new view there).
 //!
 //! # Off the free-list paths
 //!
@@ -86,8 +91,10 @@
 //! thread, its view stays *idle* at its offset: kept for its position, or *loose* (by offset)
 //! in a step served from the gaps. The next array at that offset takes it, in this step or a
 //! later one, and so do the positions of a plan made again when their offsets did not change.
-//! Idle views are no array's: they are not counted, and they are dropped before the block
-//! leaves the plan.
+//! Loose views are kept several to an offset, up to as many as the plan and its shelved plans
+//! have positions, so that plans taking turns on the block (a server's prompts and decoding
+//! steps) keep each other's views. Idle views are no array's: they are not counted, and they
+//! are dropped before the block leaves the plan.
 //!
 //! Views are counted with a biased count, so that a plan hit and a drop on the owner thread touch
 //! no atomic read-modify-write: `local` (views made minus views dropped on the owner thread) is
@@ -139,7 +146,7 @@ use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
 };
-use device::{Awaiting, DeviceArena, Plan, Shelved, Spare};
+use device::{Awaiting, DeviceArena, Held, Plan, Shelved, Spare};
 use gaps::Gaps;
 use layout::{Layout, NONE, OPEN, Rec, Serve};
 
@@ -160,8 +167,10 @@ impl Plan {
             ready: false,
             tainted: false,
             gaps: None,
+            loose_cap: views.len().max(64),
             views,
             loose: HashMap::new(),
+            loose_len: 0,
         }
     }
 
@@ -192,14 +201,19 @@ impl Plan {
             .enumerate()
             .filter_map(|(k, v)| Some((layout.range(k as u32).start, v.take()?)));
         let mut views: KeptViews = positions.collect();
-        views.extend(self.loose.drain());
+        views.extend(
+            self.loose
+                .drain()
+                .flat_map(|(o, at)| at.into_iter().map(move |v| (o, v))),
+        );
+        self.loose_len = 0;
         views
     }
 
     /// Keeps the idle views `kept` (of this plan's block): each for the position of the layout
-    /// at its offset, else loose (at most as many as the layout has positions; the others are
-    /// dropped). A step planned again (another batch, another order) mostly keeps offsets, so
-    /// their views are not made again.
+    /// at its offset, else loose (at most `loose_cap`; the others are dropped). A step planned
+    /// again (another batch, another order) mostly keeps offsets, so their views are not made
+    /// again.
     fn keep_views(&mut self, kept: KeptViews) {
         let mut kept: Vec<(usize, Option<Block>)> =
             kept.into_iter().map(|(o, v)| (o, Some(v))).collect();
@@ -224,14 +238,26 @@ impl Plan {
         }
     }
 
-    /// Keeps `view`, idle at `offset` of the block, loose (dropped when another is there, or
-    /// when there are as many loose views as positions).
+    /// Keeps `view`, idle at `offset` of the block, loose (dropped when `loose_cap` views
+    /// are).
     fn park(&mut self, offset: usize, view: Block) {
-        if self.loose.len() < self.views.len().max(64) && !self.loose.contains_key(&offset) {
-            self.loose.insert(offset, view);
+        if self.loose_len < self.loose_cap {
+            self.loose.entry(offset).or_default().push(view);
+            self.loose_len += 1;
         } else {
             drop_views([view]);
         }
+    }
+
+    /// A loose view at `offset`, if one is idle there.
+    fn unpark(&mut self, offset: usize) -> Option<Block> {
+        let at = self.loose.get_mut(&offset)?;
+        let view = at.pop();
+        if at.is_empty() {
+            self.loose.remove(&offset);
+        }
+        self.loose_len -= usize::from(view.is_some());
+        view
     }
 
     /// The size of the plan's block (0 before it is made).
@@ -245,7 +271,8 @@ impl Plan {
     /// kept for positions (they must not outlive the block).
     fn take_block(&mut self) -> Option<(BlockPtr, usize)> {
         drop_views(self.views.iter_mut().filter_map(Option::take));
-        drop_views(self.loose.drain().map(|(_, v)| v));
+        drop_views(self.loose.drain().flat_map(|(_, at)| at));
+        self.loose_len = 0;
         let block = self.block.take()?;
         Some((block, std::mem::take(&mut self.in_use)))
     }
@@ -349,6 +376,13 @@ impl Plan {
     }
 }
 
+/// The most idle views a plan of `layout` keeps loose: as many as it and the `shelf`'s plans,
+/// which share its block, have positions (at least 64).
+fn loose_cap(layout: &Layout, shelf: &[Shelved]) -> usize {
+    let shelved: usize = shelf.iter().map(|s| s.layout.len()).sum();
+    (layout.len() + shelved).max(64)
+}
+
 /// No view kept for any of `layout`'s positions.
 fn no_views(layout: &Layout) -> Vec<Option<Block>> {
     std::iter::repeat_with(|| None).take(layout.len()).collect()
@@ -368,6 +402,47 @@ fn drop_views(views: impl IntoIterator<Item = Block>) {
         // SAFETY: a kept view was made by `Block::view`, is no array's, and its block is alive
         // (kept views are dropped before their block leaves the plan).
         unsafe { view.drop_view() };
+    }
+}
+
+impl Held {
+    /// The block's bytes.
+    fn bytes(&self) -> usize {
+        self.block().bytes()
+    }
+
+    /// The block's device.
+    fn device(&self) -> Device {
+        self.block().device()
+    }
+
+    /// Whether the block's work on other streams is done (see `Block::is_idle`).
+    fn is_idle(&self) -> bool {
+        self.block().is_idle()
+    }
+
+    /// The block, wherever it is held.
+    fn block(&self) -> &Block {
+        match self {
+            Held::Bare(block) => block,
+            // SAFETY: a spare's block is the cache's, alive until taken out of the spares.
+            Held::Viewed { arena, .. } => &unsafe { arena.as_ref() }.block,
+        }
+    }
+
+    /// The block alone: its idle view, if any, dropped first.
+    fn into_block(self) -> Block {
+        match self {
+            Held::Bare(block) => block,
+            Held::Viewed { arena, view } => {
+                // SAFETY: the view was made by `Block::view` of this block, which is alive, and
+                // is no array's.
+                unsafe { view.drop_view() };
+                // SAFETY: the block came from `ArenaBlock::new_solo`, its one view is gone (its
+                // count is zero), and the spare, its only holder, is consumed here.
+                unsafe { ArenaBlock::into_block(arena) }
+            }
+        }
     }
 }
 
@@ -494,18 +569,18 @@ impl DeviceArena {
 
     /// A spare of at least `size` bytes and at most a quarter more (or `size`'s size class, which
     /// the blocks of arrays planned apart are rounded to), idle, the smallest such.
-    fn take_spare(&mut self, st: &Counters, size: usize) -> Option<Block> {
+    fn take_spare(&mut self, st: &Counters, size: usize) -> Option<Held> {
         let most = size.saturating_add(size / 4).max(size_class_within(size));
         let i = self
             .spares
             .iter()
             .enumerate()
-            .filter(|(_, s)| (size..=most).contains(&s.block.bytes()) && s.block.is_idle())
-            .min_by_key(|(_, s)| s.block.bytes())?
+            .filter(|(_, s)| (size..=most).contains(&s.held.bytes()) && s.held.is_idle())
+            .min_by_key(|(_, s)| s.held.bytes())?
             .0;
-        let block = self.spares.swap_remove(i).block;
-        uncached(st, self.gauge, block.bytes());
-        Some(block)
+        let held = self.spares.swap_remove(i).held;
+        uncached(st, self.gauge, held.bytes());
+        Some(held)
     }
 
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
@@ -559,6 +634,7 @@ impl DeviceArena {
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
+        plan.loose_cap = loose_cap(&plan.layout, &self.shelf);
         let Some((b, in_use)) = block else {
             drop_kept(views);
             return false;
@@ -621,7 +697,10 @@ impl DeviceArena {
             // Another stream may still use it: kept (and not reused) until that work is done,
             // then given back with the spares.
             let step = self.step;
-            self.spares.push(Spare { block, step });
+            self.spares.push(Spare {
+                held: Held::Bare(block),
+                step,
+            });
         }
         false
     }
@@ -719,6 +798,7 @@ impl DeviceArena {
                 }
             }
             let mut plan = Plan::new(layout, keep);
+            plan.loose_cap = loose_cap(&plan.layout, &self.shelf);
             plan.keep_views(views);
             self.plan = Some(plan);
         } else if tainted && let Some(plan) = &mut self.plan {
@@ -743,7 +823,7 @@ impl DeviceArena {
         while i < self.spares.len() {
             if self.spares[i].step != step {
                 let spare = self.spares.swap_remove(i);
-                self.free_cached(st, spare.block);
+                self.free_cached(st, spare.held.into_block());
             } else {
                 i += 1;
             }
@@ -882,9 +962,14 @@ impl CacheState {
         }
         let a = &mut self.arenas.devices[i];
         let pos = rec.min(NO_POSITION);
-        if let Some(block) = a.take_spare(st, size) {
+        if let Some(held) = a.take_spare(st, size) {
             add(&st.hits, 1);
-            return self.solo_view(st, block, req, pos);
+            return match held {
+                Held::Viewed { arena, view } if view.on_current_stream() => {
+                    self.reissue(arena, view, req, i, pos)
+                }
+                held => self.solo_view(st, held.into_block(), req, pos),
+            };
         }
         a.awaiting = Some(Awaiting::Solo { pos });
         Planned::Alloc {
@@ -968,7 +1053,7 @@ impl CacheState {
             self.live += usize::from(a.release_unused_block(st));
             return None;
         };
-        let kept = plan.loose.remove(&offset);
+        let kept = plan.unpark(offset);
         Some(
             match plan.counted_view(st, a.gauge, arena, offset, req.bytes, kept) {
                 Ok(view) => {
@@ -1018,20 +1103,37 @@ impl CacheState {
     }
 
     /// A view of all of `block`, a solo block for the array at `pos`.
-    fn solo_view(&mut self, st: &Counters, block: Block, req: &Request<'_>, pos: u32) -> Planned {
+    fn solo_view(
+        &mut self,
+        st: &Counters,
+        mut block: Block,
+        req: &Request<'_>,
+        pos: u32,
+    ) -> Planned {
         let Some(i) = self.arenas.index(block.device()) else {
             unreachable!("a solo block of a device the cache has no arena for")
         };
+        // A spare last used on another stream: the thread's current stream, which the view is
+        // made on, waits for that work first (a new block is already on it).
+        if let Err(e) = block.prepare_reuse() {
+            self.free_arena_block(st, block);
+            return Planned::Failed(e);
+        }
         let arena = ArenaBlock::new_solo(block, self.generation);
         // SAFETY: just made; ours alone until the view exists.
         let counts = unsafe { arena.as_ref() };
         let owner: *const dyn Backend = arena.as_ptr().cast_const();
-        // SAFETY: `req.bytes <= block bytes` (the block was chosen or made for it), `owner` is
-        // the `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and
-        // the block is retired with this one view counted: it is taken back only by that view's
-        // drop.
-        match unsafe { counts.block.view(owner, 0, req.bytes) } {
-            Ok(view) => {
+        let bytes = counts.block.bytes();
+        // SAFETY: the block's bytes are more than zero (no block is empty), `owner` is the
+        // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and the
+        // block is retired with this one view counted: it is taken back only by that view's
+        // drop (and then freed after the view, or kept with it as a spare).
+        match unsafe { counts.block.view(owner, 0, bytes) } {
+            Ok(mut view) => {
+                // SAFETY: `req.bytes <= bytes` (the block was chosen or made for it), and the
+                // view was just made over all `bytes`: spanning the block, it serves any array
+                // the block does later, as a spare (see `Held::Viewed`).
+                unsafe { view.set_view_len(req.bytes) };
                 self.live += 1;
                 Planned::View(view, view_slot(pos), self.arenas.devices[i].step)
             }
@@ -1043,6 +1145,27 @@ impl CacheState {
                 Planned::Failed(e)
             }
         }
+    }
+
+    /// A spare held with its idle view (`arena` and `view`, on the thread's current stream)
+    /// serves the array at `pos` on device `i`, through that view.
+    fn reissue(
+        &mut self,
+        arena: BlockPtr,
+        mut view: Block,
+        req: &Request<'_>,
+        i: usize,
+        pos: u32,
+    ) -> Planned {
+        // SAFETY: a spare's block is the cache's until taken out of the spares, as this one was.
+        let counts = unsafe { arena.as_ref() };
+        debug_assert!(req.bytes <= counts.block.bytes());
+        // SAFETY: the view was made over the whole block (`solo_view`), and the spare was taken
+        // for `req.bytes > 0` bytes no more than the block's.
+        unsafe { view.set_view_len(req.bytes) };
+        counts.reissue_solo();
+        self.live += 1;
+        Planned::View(view, view_slot(pos), self.arenas.devices[i].step)
     }
 
     /// Accounts `block`, allocated after [`Planned::Alloc`], and makes the view for `req`.
@@ -1101,7 +1224,7 @@ impl CacheState {
                 continue;
             }
             for spare in std::mem::take(&mut a.spares) {
-                a.free_cached(st, spare.block);
+                a.free_cached(st, spare.held.into_block());
             }
             retired += usize::from(a.drop_plan(st));
             a.awaiting = None;
@@ -1120,19 +1243,32 @@ impl CacheState {
         solo: bool,
         escaped: bool,
     ) -> bool {
+        self.take_back_held(st, Held::Bare(block), generation, solo, escaped)
+    }
+
+    /// [`CacheState::take_back`] of a block as it is held: a solo block with its idle view
+    /// stays so as a spare.
+    fn take_back_held(
+        &mut self,
+        st: &Counters,
+        held: Held,
+        generation: u32,
+        solo: bool,
+        escaped: bool,
+    ) -> bool {
         self.live -= 1;
         let keep = solo && escaped && generation == self.generation && self.config.key.is_planned();
-        match self.arenas.index(block.device()) {
+        match self.arenas.index(held.device()) {
             Some(i) if keep => {
                 let a = &mut self.arenas.devices[i];
-                cached(st, a.gauge, block.bytes());
+                cached(st, a.gauge, held.bytes());
                 let step = a.step;
-                a.spares.push(Spare { block, step });
+                a.spares.push(Spare { held, step });
                 self.evict_spares(st, self.config.max_cached_bytes);
                 false
             }
             _ => {
-                self.free_arena_block(st, block);
+                self.free_arena_block(st, held.into_block());
                 true
             }
         }
@@ -1156,11 +1292,11 @@ impl CacheState {
             .devices
             .iter()
             .flat_map(|a| &a.spares)
-            .map(|s| s.block.bytes())
+            .map(|s| s.held.bytes())
             .sum();
         for a in &mut self.arenas.devices {
             while spare > cap && !a.spares.is_empty() {
-                let block = a.spares.remove(0).block;
+                let block = a.spares.remove(0).held.into_block();
                 spare -= block.bytes();
                 add(&st.evictions, 1);
                 a.free_cached(st, block);
@@ -1184,6 +1320,9 @@ impl CacheState {
         let counts = unsafe { arena.as_ref() };
         let bytes = view.bytes();
         let mut view = Some(view);
+        // A solo block's view stays with it (see below), unless its array was used on another
+        // stream: then the marks it handed the block are recorded when the block is taken out.
+        let keep_view = counts.solo && !tainted;
         // A plan's array: its position in the plan; a solo array: its index in the record.
         let pos = home.slot - VIEW_BASE;
         let mut escaped = true;
@@ -1237,7 +1376,7 @@ impl CacheState {
                     };
                 }
             }
-            if let Some(view) = view.take() {
+            if let Some(view) = view.take_if(|_| !keep_view) {
                 // SAFETY: `view` was made by `Block::view`, and its block is alive.
                 unsafe { view.drop_view() };
             }
@@ -1259,12 +1398,21 @@ impl CacheState {
                 return false;
             }
         }
+        let (generation, solo) = (counts.generation, counts.solo);
+        if let Some(view) = view.take_if(|_| keep_view) {
+            // A solo block has one view, this one: its drop makes the block ours, and the view
+            // stays with it, idle, in case the block is kept as a spare.
+            if !counts.release_view() {
+                unreachable!("a solo block with more than one view");
+            }
+            let held = Held::Viewed { arena, view };
+            return self.take_back_held(st, held, generation, solo, escaped);
+        }
         if let Some(view) = view.take() {
             // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.
             unsafe { view.drop_view() };
         }
         if counts.release_view() {
-            let (generation, solo) = (counts.generation, counts.solo);
             // SAFETY: the last view is gone; nothing else points at a retired block.
             let block = unsafe { ArenaBlock::into_block(arena) };
             return self.take_back(st, block, generation, solo, escaped);

@@ -186,6 +186,15 @@ impl ArenaBlock {
         self.shared.fetch_sub(1, AcqRel) == 1
     }
 
+    /// A solo block taken back with its view idle (see `Held::Viewed`) serves an array again
+    /// through that view: counted as its one view, as when it was made (lock holder, which
+    /// owns the block: its count was zero).
+    #[inline]
+    pub(in crate::cache) fn reissue_solo(&self) {
+        debug_assert!(self.solo && self.retired.load(Relaxed) && self.views() == 0);
+        self.shared.store(1, Relaxed);
+    }
+
     /// Retires the block (lock holder): from now on every view's drop goes to
     /// [`ArenaBlock::release_view`]. Returns whether views are alive; `false`: every view was
     /// dropped meanwhile on other threads, and the caller owns the block again.

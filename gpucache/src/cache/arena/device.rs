@@ -34,7 +34,14 @@ pub(in crate::cache) struct Plan {
     pub(super) views: Vec<Option<Block>>,
     /// Idle views at offsets that are no position's, or dropped in a step that left the plan:
     /// by offset, for the arrays the block's gaps (or the next layout's positions) put there.
-    pub(super) loose: HashMap<usize, Block>,
+    /// Several at one offset: the positions of a plan that share an offset at different times
+    /// each had one, and a shelved plan switched in again finds them all.
+    pub(super) loose: HashMap<usize, Vec<Block>>,
+    /// The views in `loose`.
+    pub(super) loose_len: usize,
+    /// The most views `loose` keeps: the positions of this plan and of the shelved ones, which
+    /// share the block (at least 64).
+    pub(super) loose_cap: usize,
 }
 
 /// A plan of another kind of step than the current plan's, kept (without a block: the current
@@ -47,9 +54,21 @@ pub(in crate::cache) struct Shelved {
 
 /// A solo block no array uses, kept for the next solo array it fits.
 pub(in crate::cache) struct Spare {
-    pub(super) block: Block,
+    pub(super) held: Held,
     /// The step it became a spare in.
     pub(super) step: u32,
+}
+
+/// How a spare is held.
+pub(in crate::cache) enum Held {
+    /// The block alone: it came back from another thread, its array was used on another stream,
+    /// or it is a plan's block that another stream may still use.
+    Bare(Block),
+    /// Still in its solo arena block, with the view its array had, idle: the next array the
+    /// spare serves takes that view again (a cudarc view is a `CudaSlice` with two events of its
+    /// own: made once, not every time the spare is reused). The view spans the whole block; it
+    /// is no array's, and not counted (the block's count is zero).
+    Viewed { arena: BlockPtr, view: Block },
 }
 
 /// What a device allocation that the cache asked for (a `Take::Miss`) is for.

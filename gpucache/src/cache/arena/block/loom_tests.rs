@@ -263,3 +263,38 @@ fn loom_solo_block_taken_back_once() {
         Arc::try_unwrap(m).ok().unwrap().finish();
     });
 }
+
+/// A solo block whose array drops on the owner: the block is the owner's again with the view
+/// kept, idle (a spare held with its view), and serves a second array through that view
+/// (`ArenaBlock::reissue_solo`), which is sent to another thread and dropped there: that drop,
+/// and only it, takes the block back again, after both arrays' uses.
+#[test]
+fn loom_solo_block_reissued_through_its_kept_view() {
+    model("solo_block_reissued_through_its_kept_view", || {
+        let backend: StdArc<dyn Backend> = StdArc::new(CpuBackend::default());
+        let block = Block::alloc(&backend, Device::Cpu, VIEW_BYTES, false).unwrap();
+        let m = Arc::new(Model::<1> {
+            block: ArenaBlock::new_solo(block, 0),
+            bytes: [UnsafeCell::new(0)],
+            alive: AtomicUsize::new(0),
+            taken: AtomicUsize::new(0),
+        });
+        let counts = m.counts();
+        let owner: *const dyn Backend = m.block.as_ptr().cast_const();
+        // SAFETY: as in `Model::make_view`.
+        let view = unsafe { counts.block.view(owner, 0, VIEW_BYTES) }.unwrap();
+        m.alive.fetch_add(1, Relaxed);
+        // `CacheState::drop_view` of a solo view on the owner, kept: the count, then the block.
+        m.use_and_drop(0);
+        assert!(counts.release_view(), "a solo block's one view is its last");
+        m.take_back();
+        // Kept as a spare, then reissued: the block's again, so a second taking is due.
+        m.taken.store(0, Relaxed);
+        counts.reissue_solo();
+        m.alive.fetch_add(1, Relaxed);
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(0, view));
+        t.join().unwrap();
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}

@@ -1,0 +1,128 @@
+//! Unit tests of what the public API cannot show: how many views the planned caches make.
+
+use crate::backend::VIEWS_MADE;
+use crate::testing::{CountingBackend, use_backend};
+use crate::{Array, CacheConfig, Device, KeyPolicy};
+
+/// Keeps the unit tests that give back every cache's memory from emptying these tests' caches
+/// under them.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    crate::sync::GLOBAL_TESTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The views made on this thread so far.
+fn views() -> u64 {
+    VIEWS_MADE.with(std::cell::Cell::get)
+}
+
+/// A decoder's cache of keys and values, one token longer every step, made in one step and
+/// dropped in the next (so planned apart): each comes from the block of the one before last, a
+/// spare, through the view that array had, so a step after the first few makes no view at all
+/// (on CUDA a view is a cudarc slice with two events). The values and the bytes held are checked
+/// too: the view spans its block, and the block goes back to the device with it.
+#[test]
+fn a_spare_serves_its_next_array_through_the_view_it_kept() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    let name = "unit-spare-view";
+    crate::configure(
+        name,
+        CacheConfig {
+            key: KeyPolicy::Planned,
+            ..CacheConfig::default()
+        },
+    );
+    let mut kv: Option<(Array<u32>, u32)> = None;
+    let mut made = Vec::new();
+    for t in 0..10u32 {
+        let before = views();
+        let _scope = crate::enter(name);
+        let x = Array::from_slice(Device::Cpu, &[t; 64], 64).unwrap();
+        let n = 4096 + 16 * t as usize;
+        let mut next = Array::<u32>::zeros(Device::Cpu, n).unwrap();
+        next.as_mut_slice().unwrap().fill(t + 1000);
+        drop(x);
+        if let Some((old, w)) = kv.take() {
+            assert!(old.to_vec().unwrap().iter().all(|&e| e == w + 1000));
+        }
+        assert!(next.to_vec().unwrap().iter().all(|&e| e == t + 1000));
+        kv = Some((next, t));
+        drop(_scope);
+        made.push(views() - before);
+    }
+    assert!(
+        made[4..].iter().all(|&n| n == 0),
+        "views made per step: {made:?}"
+    );
+    let allocs = backend.allocs();
+    drop(kv);
+    crate::invalidate(name);
+    assert_eq!(backend.allocs(), allocs);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// One step of a server: a prompt (a large first array, then a chain of twelve arrays each
+/// dropped two later, so that positions share offsets at different times) or a decoding step
+/// (a small first array, then a chain of eight larger ones: it does not fit the prompt's plan).
+/// Checks the values; returns the views it made.
+fn serve_step(name: &str, prompt: bool) -> u64 {
+    let before = views();
+    let _scope = crate::enter(name);
+    let (first, each, n) = if prompt {
+        (1 << 16, 4096, 12)
+    } else {
+        (256, 8192, 8)
+    };
+    let head = Array::from_slice(Device::Cpu, &vec![7u32; first], first).unwrap();
+    let mut chain: Vec<Array<u32>> = Vec::new();
+    for i in 0..n {
+        let len = each + 64 * (i as usize % 3);
+        let a = Array::from_slice(Device::Cpu, &vec![i; len], len).unwrap();
+        if chain.len() == 2 {
+            let old = chain.remove(0);
+            assert!(old.to_vec().unwrap().iter().all(|&e| e == i - 2));
+        }
+        chain.push(a);
+    }
+    assert!(head.to_vec().unwrap().iter().all(|&e| e == 7));
+    drop((head, chain, _scope));
+    views() - before
+}
+
+/// A scope whose steps alternate between two kinds (a server's prompts and decoding steps)
+/// keeps a plan for each, sharing one block: the idle views of the plan shelved meanwhile are
+/// kept for it, every one (several at an offset that several positions share at different
+/// times), so that once both kinds have run, switching between them makes no view.
+#[test]
+fn plans_that_take_turns_keep_each_others_views() {
+    let _serial = serial();
+    let backend = CountingBackend::new();
+    let _installed = use_backend(&backend);
+    let name = "unit-serve-views";
+    crate::configure(
+        name,
+        CacheConfig {
+            key: KeyPolicy::Planned,
+            ..CacheConfig::default()
+        },
+    );
+    let mut made = Vec::new();
+    for request in 0..4 {
+        made.push(serve_step(name, true));
+        for _ in 0..3 {
+            made.push(serve_step(name, false));
+        }
+        if request == 1 {
+            made.clear();
+        }
+    }
+    assert!(
+        made.iter().all(|&n| n == 0),
+        "views made per step in the last two requests: {made:?}"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

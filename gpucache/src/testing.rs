@@ -136,25 +136,29 @@ impl CountingBackend {
         self.allocs() - self.frees()
     }
 
-    /// Whether attempt `attempt` fails by the plan; else reserves `bytes` in
+    /// `None` if attempt `attempt` fails by the plan; else reserves `bytes` in
     /// `outstanding_bytes`, checked against the limit and added in one atomic step, so that
-    /// threads allocating at once cannot pass the limit together.
-    fn should_fail(&self, attempt: u64, bytes: usize) -> bool {
+    /// threads allocating at once cannot pass the limit together, and returns the bytes
+    /// outstanding just after (a candidate for the peak, which a later read could miss: other
+    /// threads may free meanwhile).
+    fn reserve(&self, attempt: u64, bytes: usize) -> Option<usize> {
         let limit = {
             let mut plan = self.plan.lock();
             let before = plan.at.len();
             plan.at.retain(|&a| a != attempt);
             if plan.at.len() != before || (plan.every != 0 && attempt.is_multiple_of(plan.every)) {
-                return true;
+                return None;
             }
             plan.limit
         };
-        self.outstanding_bytes
+        let before = self
+            .outstanding_bytes
             .fetch_update(SeqCst, SeqCst, |out| {
                 let after = out.checked_add(bytes)?;
                 limit.is_none_or(|l| after <= l).then_some(after)
             })
-            .is_err()
+            .ok()?;
+        Some(before + bytes)
     }
 }
 
@@ -175,18 +179,17 @@ impl fmt::Debug for CountingBackend {
 impl Backend for CountingBackend {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
         let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
-        if self.should_fail(attempt, bytes) {
+        let Some(outstanding) = self.reserve(attempt, bytes) else {
             self.failures.fetch_add(1, SeqCst);
             return Err(AllocError::OutOfMemory);
-        }
-        // The bytes are reserved (see `should_fail`): given back if the host fails.
+        };
+        // The bytes are reserved (see `reserve`): given back if the host fails.
         let storage = self.host.alloc(device, bytes, zeroed).inspect_err(|_| {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
         })?;
         self.allocs.fetch_add(1, SeqCst);
         self.zeroed.fetch_add(u64::from(zeroed), SeqCst);
-        self.peak_bytes
-            .fetch_max(self.outstanding_bytes.load(SeqCst), SeqCst);
+        self.peak_bytes.fetch_max(outstanding, SeqCst);
         Ok(storage)
     }
 

@@ -10,14 +10,21 @@
 //!   ends: with the pool's default release threshold of 0, the synchronisation hands cudarc's
 //!   freed memory back to the driver, so its next allocation maps memory again. gpucache keeps
 //!   its buffer.
+//!
+//! And `step/*`: a step of 560 arrays (256 B to 16 KiB, each dropped eight allocations later, as
+//! a chain of layers) in a warm cache, per array: `planned` (the default, `KeyPolicy::Planned`),
+//! against `exact_immediate` (exact keys, `Reuse::Immediate`: a free-list hit, recycled at
+//! once), on the GPU and on the CPU backend of the same host, to tell the planned path's
+//! device-specific cost from its bookkeeping.
 
+use std::collections::VecDeque;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpucache::cuda::cudarc::driver::CudaStream;
-use gpucache::{Array, CacheConfig, Device, Reuse};
+use gpucache::{Array, CacheConfig, Device, KeyPolicy, Reuse};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;
@@ -76,11 +83,71 @@ fn bench(c: &mut Criterion) {
     }
 }
 
+/// The arrays of one step of `bench_step`: 560, of 256 B to 16 KiB.
+fn step_sizes() -> Vec<usize> {
+    (0..560).map(|i| 256usize << (i % 7)).collect()
+}
+
+/// One step in cache `name`: the arrays of `sizes` on `dev`, each dropped eight later.
+fn step(dev: Device, name: &str, sizes: &[usize]) {
+    let _scope = gpucache::enter(name);
+    let mut live = VecDeque::new();
+    for &n in sizes {
+        live.push_back(Array::<u8>::empty(dev, n).expect("allocation"));
+        if live.len() > 8 {
+            drop(live.pop_front());
+        }
+    }
+}
+
+fn bench_step(c: &mut Criterion) {
+    let dev = match gpu() {
+        Ok((dev, _)) => dev,
+        Err(e) => {
+            eprintln!("notice: cuda_alloc measures nothing without a GPU: {e}");
+            return;
+        }
+    };
+    let sizes = step_sizes();
+    for (on, dev) in [("cuda", dev), ("cpu", Device::Cpu)] {
+        let mut group = c.benchmark_group(format!("step/{on}"));
+        group.throughput(Throughput::Elements(sizes.len() as u64));
+        group.warm_up_time(Duration::from_millis(500));
+        for (label, key, reuse) in [
+            ("planned", KeyPolicy::Planned, Reuse::OnExit),
+            ("exact_immediate", KeyPolicy::Exact, Reuse::Immediate),
+        ] {
+            let name = format!("bench_step_{on}_{label}");
+            gpucache::configure(
+                &name,
+                CacheConfig {
+                    key,
+                    reuse,
+                    ..CacheConfig::default()
+                },
+            );
+            // Planned from the first steps; the free lists filled.
+            for _ in 0..3 {
+                step(dev, &name, &sizes);
+            }
+            let before = gpucache::stats(&name);
+            group.bench_function(label, |b| b.iter(|| step(dev, &name, &sizes)));
+            assert_eq!(
+                gpucache::stats(&name).misses,
+                before.misses,
+                "{name}: a warm step missed the cache"
+            );
+            gpucache::invalidate(&name);
+        }
+        group.finish();
+    }
+}
+
 /// CUDA device 0 and this thread's current stream on it.
 fn gpu() -> gpucache::Result<(Device, Arc<CudaStream>)> {
     let dev = Device::cuda(0)?;
     Ok((dev, gpucache::cuda::current_stream(dev)?))
 }
 
-criterion_group!(benches, bench);
+criterion_group!(benches, bench, bench_step);
 criterion_main!(benches);

@@ -1320,9 +1320,6 @@ impl CacheState {
         let counts = unsafe { arena.as_ref() };
         let bytes = view.bytes();
         let mut view = Some(view);
-        // A solo block's view stays with it (see below), unless its array was used on another
-        // stream: then the marks it handed the block are recorded when the block is taken out.
-        let keep_view = counts.solo && !tainted;
         // A plan's array: its position in the plan; a solo array: its index in the record.
         let pos = home.slot - VIEW_BASE;
         let mut escaped = true;
@@ -1375,10 +1372,10 @@ impl CacheState {
                         plan.layout.dropped(pos)
                     };
                 }
-            }
-            if let Some(view) = view.take_if(|_| !keep_view) {
-                // SAFETY: `view` was made by `Block::view`, and its block is alive.
-                unsafe { view.drop_view() };
+                if let Some(view) = view.take() {
+                    // SAFETY: `view` was made by `Block::view`, and its block is alive.
+                    unsafe { view.drop_view() };
+                }
             }
             if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
                 r.end = a.tick;
@@ -1399,7 +1396,9 @@ impl CacheState {
             }
         }
         let (generation, solo) = (counts.generation, counts.solo);
-        if let Some(view) = view.take_if(|_| keep_view) {
+        // A solo block's view stays with it, unless its array was used on another stream: then
+        // the marks it handed the block are recorded when the block is taken out.
+        if let Some(view) = view.take_if(|_| solo && !tainted) {
             // A solo block has one view, this one: its drop makes the block ours, and the view
             // stays with it, idle, in case the block is kept as a spare.
             if !counts.release_view() {

@@ -1,7 +1,9 @@
 //! Unit tests of what the public API cannot show: how many views the planned caches make.
 
 use crate::backend::VIEWS_MADE;
-use crate::testing::{CountingBackend, use_backend};
+use std::sync::Arc;
+
+use crate::testing::{BackendGuard, CountingBackend, use_backend};
 use crate::{Array, CacheConfig, Device, KeyPolicy};
 
 /// Keeps the unit tests that give back every cache's memory from emptying these tests' caches
@@ -10,6 +12,28 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     crate::sync::GLOBAL_TESTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A counting backend for this thread's CPU allocations and cache `name` planned (the
+/// default, stated), with the lock of [`serial`]: hold all three through the test.
+fn planned(
+    name: &str,
+) -> (
+    Arc<CountingBackend>,
+    BackendGuard,
+    std::sync::MutexGuard<'static, ()>,
+) {
+    let serial = serial();
+    let backend = CountingBackend::new();
+    let installed = use_backend(&backend);
+    crate::configure(
+        name,
+        CacheConfig {
+            key: KeyPolicy::Planned,
+            ..CacheConfig::default()
+        },
+    );
+    (backend, installed, serial)
 }
 
 /// The views made on this thread so far.
@@ -24,17 +48,8 @@ fn views() -> u64 {
 /// too: the view spans its block, and the block goes back to the device with it.
 #[test]
 fn a_spare_serves_its_next_array_through_the_view_it_kept() {
-    let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
     let name = "unit-spare-view";
-    crate::configure(
-        name,
-        CacheConfig {
-            key: KeyPolicy::Planned,
-            ..CacheConfig::default()
-        },
-    );
+    let (backend, _installed, _serial) = planned(name);
     let mut kv: Option<(Array<u32>, u32)> = None;
     let mut made = Vec::new();
     for t in 0..10u32 {
@@ -98,17 +113,8 @@ fn serve_step(name: &str, prompt: bool) -> u64 {
 /// times), so that once both kinds have run, switching between them makes no view.
 #[test]
 fn plans_that_take_turns_keep_each_others_views() {
-    let _serial = serial();
-    let backend = CountingBackend::new();
-    let _installed = use_backend(&backend);
     let name = "unit-serve-views";
-    crate::configure(
-        name,
-        CacheConfig {
-            key: KeyPolicy::Planned,
-            ..CacheConfig::default()
-        },
-    );
+    let (backend, _installed, _serial) = planned(name);
     let mut made = Vec::new();
     for request in 0..4 {
         made.push(serve_step(name, true));

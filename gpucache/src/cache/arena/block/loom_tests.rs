@@ -159,6 +159,26 @@ impl<const N: usize> Model<N> {
     }
 }
 
+impl Model<1> {
+    /// A solo block (`ArenaBlock::new_solo`: retired from the start, its one view counted in
+    /// `shared`) and that view, made as `CacheState::solo_view` makes it.
+    fn solo() -> (Arc<Model<1>>, Block) {
+        let backend: StdArc<dyn Backend> = StdArc::new(CpuBackend::default());
+        let block = Block::alloc(&backend, Device::Cpu, VIEW_BYTES, false).unwrap();
+        let m = Arc::new(Model::<1> {
+            block: ArenaBlock::new_solo(block, 0),
+            bytes: [UnsafeCell::new(0)],
+            alive: AtomicUsize::new(0),
+            taken: AtomicUsize::new(0),
+        });
+        let owner: *const dyn Backend = m.block.as_ptr().cast_const();
+        // SAFETY: as in `Model::make_view`.
+        let view = unsafe { m.counts().block.view(owner, 0, VIEW_BYTES) }.unwrap();
+        m.alive.fetch_add(1, Relaxed);
+        (m, view)
+    }
+}
+
 /// Three views: one dropped on the owner before the block is retired, one on another thread
 /// at any time, one on the owner after retirement. The taker is the owner's `detach`, its last
 /// drop, or the other thread.
@@ -243,20 +263,7 @@ fn loom_block_retired_while_two_threads_drop() {
 #[test]
 fn loom_solo_block_taken_back_once() {
     model("solo_block_taken_back_once", || {
-        let backend: StdArc<dyn Backend> = StdArc::new(CpuBackend::default());
-        let block = Block::alloc(&backend, Device::Cpu, VIEW_BYTES, false).unwrap();
-        let m = Arc::new(Model::<1> {
-            block: ArenaBlock::new_solo(block, 0),
-            bytes: [UnsafeCell::new(0)],
-            alive: AtomicUsize::new(0),
-            taken: AtomicUsize::new(0),
-        });
-        // The solo block's view, already counted by `new_solo`.
-        let counts = m.counts();
-        let owner: *const dyn Backend = m.block.as_ptr().cast_const();
-        // SAFETY: as in `Model::make_view`.
-        let view = unsafe { counts.block.view(owner, 0, VIEW_BYTES) }.unwrap();
-        m.alive.fetch_add(1, Relaxed);
+        let (m, view) = Model::solo();
         let other = Arc::clone(&m);
         let t = thread::spawn(move || other.drop_on_other(0, view));
         t.join().unwrap();
@@ -271,19 +278,8 @@ fn loom_solo_block_taken_back_once() {
 #[test]
 fn loom_solo_block_reissued_through_its_kept_view() {
     model("solo_block_reissued_through_its_kept_view", || {
-        let backend: StdArc<dyn Backend> = StdArc::new(CpuBackend::default());
-        let block = Block::alloc(&backend, Device::Cpu, VIEW_BYTES, false).unwrap();
-        let m = Arc::new(Model::<1> {
-            block: ArenaBlock::new_solo(block, 0),
-            bytes: [UnsafeCell::new(0)],
-            alive: AtomicUsize::new(0),
-            taken: AtomicUsize::new(0),
-        });
+        let (m, view) = Model::solo();
         let counts = m.counts();
-        let owner: *const dyn Backend = m.block.as_ptr().cast_const();
-        // SAFETY: as in `Model::make_view`.
-        let view = unsafe { counts.block.view(owner, 0, VIEW_BYTES) }.unwrap();
-        m.alive.fetch_add(1, Relaxed);
         // `CacheState::drop_view` of a solo view on the owner, kept: the count, then the block.
         m.use_and_drop(0);
         assert!(counts.release_view(), "a solo block's one view is its last");

@@ -158,7 +158,9 @@ const MAX_POSITIONS: u32 = 1 << 20;
 const MAX_SHELVED: usize = 3;
 
 impl Plan {
-    fn new(layout: Layout, block: Option<BlockPtr>) -> Plan {
+    /// A plan of `layout` in `block` (if it has one yet), keeping at most `loose_cap` idle
+    /// views loose.
+    fn new(layout: Layout, block: Option<BlockPtr>, loose_cap: usize) -> Plan {
         let views = no_views(&layout);
         Plan {
             layout,
@@ -167,7 +169,7 @@ impl Plan {
             ready: false,
             tainted: false,
             gaps: None,
-            loose_cap: views.len().max(64),
+            loose_cap,
             views,
             loose: HashMap::new(),
             loose_len: 0,
@@ -797,8 +799,8 @@ impl DeviceArena {
                     retired += usize::from(self.detach(st, b, in_use));
                 }
             }
-            let mut plan = Plan::new(layout, keep);
-            plan.loose_cap = loose_cap(&plan.layout, &self.shelf);
+            let cap = loose_cap(&layout, &self.shelf);
+            let mut plan = Plan::new(layout, keep, cap);
             plan.keep_views(views);
             self.plan = Some(plan);
         } else if tainted && let Some(plan) = &mut self.plan {

@@ -60,6 +60,18 @@ struct Spot {
     rec: u32,
 }
 
+impl Spot {
+    /// The planned lifetime of position `k`, this spot: from its allocation to its end (at
+    /// least the next allocation).
+    fn lifetime(&self, k: u32) -> Lifetime {
+        Lifetime {
+            bytes: self.size,
+            start: k,
+            end: self.end.max(k + 1),
+        }
+    }
+}
+
 /// What the plan says of one allocation.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Serve {
@@ -164,14 +176,7 @@ impl Layout {
         let placed: Vec<u32> = (0..n).filter(|&k| !spots[k as usize].apart).collect();
         let lives: Vec<Lifetime> = placed
             .iter()
-            .map(|&k| {
-                let s = spots[k as usize];
-                Lifetime {
-                    bytes: s.size,
-                    start: k,
-                    end: s.end.max(k + 1),
-                }
-            })
+            .map(|&k| spots[k as usize].lifetime(k))
             .collect();
         let plan = greedy_by_size(&lives);
         for (&k, offset) in placed.iter().zip(plan.offsets) {
@@ -720,11 +725,10 @@ mod tests {
         assert!(!l.outgrown(&smaller, 1024));
     }
 
-    /// Whether two positions' planned lifetimes (from their position to their end) overlap.
+    /// Whether two positions' planned lifetimes overlap.
     fn overlap_in_time(l: &Layout, a: usize, b: usize) -> bool {
-        let (sa, sb) = (&l.spots[a], &l.spots[b]);
-        let (ea, eb) = (sa.end.max(a as u32 + 1), sb.end.max(b as u32 + 1));
-        (a as u32) < eb && (b as u32) < ea
+        let life = |k: usize| l.spots[k].lifetime(k as u32);
+        life(a).overlaps(&life(b))
     }
 
     #[test]

@@ -12,10 +12,12 @@
 //!    with, and looks again;
 //! 3. a device allocation is refused while the thread captures a step graph (it would be
 //!    captured, not made);
-//! 4. the backend allocates; when the device is out of memory, the caches give back what no
-//!    array owns (this thread's for that device, then every thread's) and it retries once; a
-//!    planned cache's block larger than the array (a plan's whole block, room to grow) that
-//!    still does not fit is asked again at the array's own size;
+//! 4. the backend allocates (a planned cache's plan block growable in place where it can, or
+//!    grown in place from the block the plan gave up, see [`Make`]); when the device is out of
+//!    memory, the caches give back what no array owns (this thread's for that device, then
+//!    every thread's) and it retries once; a planned cache's block larger than the array (a
+//!    plan's whole block, room to grow) that still does not fit is asked again at the array's
+//!    own size;
 //! 5. the cache accounts the new buffer ([`CacheCell::adopt`]).
 //!
 //! Zeroing is decided once per allocation, from its [`Init`] and element type
@@ -24,7 +26,7 @@
 //! back to the buffer's cache, or to the device.
 
 use crate::backend::{self, AllocError, Backend, Block};
-use crate::cache::{self, CacheCell, Got, Home, Request, Take};
+use crate::cache::{self, CacheCell, Got, Home, Make, Request, Take};
 use crate::trace::record::{self, EventKind, Note};
 use crate::{Error, Result, registry, scope};
 #[cfg(feature = "cuda")]
@@ -78,26 +80,37 @@ pub(crate) fn alloc_slow(req: &Request<'_>, zero: bool) -> Result<Option<Got>> {
     }
     scope::with_current(|cache| {
         let Some(cache) = cache else {
-            let block = device_alloc(req, None, req.bytes, zero)?;
+            let block = device_alloc(req, None, req.bytes, zero, false)?;
             return Ok(Some(Got::Fresh(block, None)));
         };
-        let (capacity, view) = match cache.take(req) {
+        let (capacity, view, make) = match cache.take(req) {
             Take::Hit(block, home) => return Ok(Some(Got::Recycled(block, home))),
             Take::Failed(e) => return Err(e),
             Take::Bypass => {
-                let block = device_alloc(req, Some(cache), req.bytes, zero)?;
+                let block = device_alloc(req, Some(cache), req.bytes, zero, false)?;
                 return Ok(Some(Got::Fresh(block, None)));
             }
-            Take::Miss { capacity, view } => (capacity, view),
+            Take::Miss {
+                capacity,
+                view,
+                make,
+            } => (capacity, view, make),
         };
         // A block that reaches the array as a view is zeroed as a recycled buffer is (by the
         // array, when asked), not as a whole.
-        let block = match device_alloc(req, Some(cache), capacity, zero && !view) {
+        let made = match make {
+            Make::Grow(old) => grow(req, cache, old, capacity),
+            make => {
+                let growable = matches!(make, Make::Growable);
+                device_alloc(req, Some(cache), capacity, zero && !view, growable)
+            }
+        };
+        let block = match made {
             // A planned cache's block larger than the array (a plan's block, room to grow) that
             // the device cannot give even after recovery: the array alone may still fit, and
             // the cache makes whatever block it gets a block of its own.
             Err(Error::OutOfMemory { .. }) if view && capacity > req.bytes => {
-                device_alloc(req, Some(cache), req.bytes, false)?
+                device_alloc(req, Some(cache), req.bytes, false, false)?
             }
             got => got?,
         };
@@ -111,14 +124,34 @@ pub(crate) fn alloc_slow(req: &Request<'_>, zero: bool) -> Result<Option<Got>> {
     })
 }
 
-/// A new block of `capacity` bytes for `req` (zeroed if `zeroed`), for the thread's current
-/// cache `cache` (if any): refused while the thread captures a step graph; on out of memory,
-/// the caches give back what they hold for the device and it retries once.
+/// The plan's block `old` (handed over by the cache) grown in place to `capacity` bytes for
+/// `req`, and ordered after its earlier work as a recycled block is; when its backend cannot
+/// grow it, or the device has no room for the growth, it is freed and a new growable block is
+/// made ([`device_alloc`], which recovers from out of memory).
+fn grow(req: &Request<'_>, cache: &CacheCell, mut old: Block, capacity: usize) -> Result<Block> {
+    match old.grow(capacity) {
+        Ok(true) => {
+            old.prepare_reuse()?;
+            Ok(old)
+        }
+        Ok(false) | Err(AllocError::OutOfMemory) => {
+            drop(old);
+            device_alloc(req, Some(cache), capacity, false, true)
+        }
+        Err(AllocError::Other(e)) => Err(e),
+    }
+}
+
+/// A new block of `capacity` bytes for `req` (zeroed if `zeroed`; growable in place if
+/// `growable`, see [`Block::alloc_growable`]), for the thread's current cache `cache` (if any):
+/// refused while the thread captures a step graph; on out of memory, the caches give back what
+/// they hold for the device and it retries once.
 fn device_alloc(
     req: &Request<'_>,
     cache: Option<&CacheCell>,
     capacity: usize,
     zeroed: bool,
+    growable: bool,
 ) -> Result<Block> {
     #[cfg(feature = "cuda")]
     if req.device.is_cuda() && capture::capturing() {
@@ -130,10 +163,38 @@ fn device_alloc(
         }));
     }
     let backend = backend::resolve(req.device)?;
-    match Block::alloc(&backend, req.device, capacity, zeroed) {
+    let new = New {
+        capacity,
+        zeroed,
+        growable,
+    };
+    match new.alloc(&backend, req.device) {
         Ok(block) => Ok(block),
         Err(AllocError::Other(e)) => Err(e),
-        Err(AllocError::OutOfMemory) => recover(&backend, req, cache, capacity, zeroed),
+        Err(AllocError::OutOfMemory) => recover(&backend, req, cache, new),
+    }
+}
+
+/// A device allocation to make: its bytes, and whether zeroed or growable.
+#[derive(Clone, Copy)]
+struct New {
+    capacity: usize,
+    zeroed: bool,
+    growable: bool,
+}
+
+impl New {
+    /// Makes it on `device`, from `backend`.
+    fn alloc(
+        self,
+        backend: &std::sync::Arc<dyn Backend>,
+        device: crate::Device,
+    ) -> Result<Block, AllocError> {
+        if self.growable {
+            Block::alloc_growable(backend, device, self.capacity)
+        } else {
+            Block::alloc(backend, device, self.capacity, self.zeroed)
+        }
     }
 }
 
@@ -145,14 +206,13 @@ fn recover(
     backend: &std::sync::Arc<dyn Backend>,
     req: &Request<'_>,
     cache: Option<&CacheCell>,
-    capacity: usize,
-    zeroed: bool,
+    new: New,
 ) -> Result<Block> {
     let device = req.device;
     let before = backend.stats(device).bytes_allocated;
     registry::give_back_unowned(Some(device), true);
     let released = before.saturating_sub(backend.stats(device).bytes_allocated);
-    let retry = Block::alloc(backend, device, capacity, zeroed);
+    let retry = new.alloc(backend, device);
     note_out_of_memory(req, cache, released, retry.is_ok());
     match retry {
         Ok(block) => Ok(block),

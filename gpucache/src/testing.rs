@@ -4,7 +4,8 @@
 //! [`use_backend`]. It counts allocations, frees and the bytes outstanding, so a test can check
 //! that nothing leaks, and it fails allocations on demand (the Nth, every Nth, or any that would
 //! exceed a byte limit) with an out-of-memory error, so out-of-memory recovery can be tested on
-//! any machine.
+//! any machine. Made growable ([`CountingBackend::set_growable`]), it grows a planned cache's
+//! blocks in place as the CUDA backend does, so that path can be tested on any machine too.
 //!
 //! ```
 //! use gpucache::testing::{CountingBackend, use_backend};
@@ -30,11 +31,11 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 
 use parking_lot::Mutex;
 
-use crate::backend::{self, AllocError, Backend, Storage, cpu::CpuBackend};
+use crate::backend::{self, AllocError, Backend, Storage, cpu, cpu::CpuBackend};
 use crate::{Device, DeviceStats};
 
 /// A CPU backend that counts what it does and fails allocations on demand. See the
@@ -50,7 +51,15 @@ pub struct CountingBackend {
     outstanding_bytes: AtomicUsize,
     peak_bytes: AtomicUsize,
     plan: Mutex<FailPlan>,
+    growable: AtomicBool,
+    grows: AtomicU64,
+    /// The addresses of the growable buffers alive.
+    growable_bufs: Mutex<Vec<usize>>,
 }
+
+/// The bytes a growable buffer of the testing backend may grow to (addresses only: the kernel
+/// backs the pages touched).
+const GROWABLE_RESERVE: usize = 1 << 30;
 
 #[derive(Default)]
 struct FailPlan {
@@ -92,7 +101,8 @@ impl CountingBackend {
         self.attempts.load(SeqCst)
     }
 
-    /// Successful allocations so far.
+    /// Successful allocations so far (growths in place included, see
+    /// [`grows`](Self::grows)).
     pub fn allocs(&self) -> u64 {
         self.allocs.load(SeqCst)
     }
@@ -108,6 +118,14 @@ impl CountingBackend {
     /// Frees so far.
     pub fn frees(&self) -> u64 {
         self.frees.load(SeqCst)
+    }
+
+    /// Makes the blocks of planned caches growable in place, as the CUDA backend makes them
+    /// (on Unix; elsewhere this does nothing): a block that a larger step outgrows then grows
+    /// rather than being replaced. Growing counts as an allocation of the new bytes, and can be
+    /// made to fail like one.
+    pub fn set_growable(&self, growable: bool) {
+        self.growable.store(growable, SeqCst);
     }
 
     /// Attempts that were made to fail.
@@ -131,9 +149,15 @@ impl CountingBackend {
         self.peak_bytes.store(self.outstanding_bytes(), SeqCst);
     }
 
-    /// Allocations not yet freed.
+    /// Successful allocations that grew a block in place (see
+    /// [`set_growable`](Self::set_growable)); counted in [`allocs`](Self::allocs) too.
+    pub fn grows(&self) -> u64 {
+        self.grows.load(SeqCst)
+    }
+
+    /// Blocks allocated and not yet freed (allocations that grew a block are not blocks).
     pub fn outstanding_allocs(&self) -> u64 {
-        self.allocs() - self.frees()
+        self.allocs() - self.grows() - self.frees()
     }
 
     /// `None` if attempt `attempt` fails by the plan; else reserves `bytes` in
@@ -162,6 +186,30 @@ impl CountingBackend {
     }
 }
 
+impl CountingBackend {
+    /// [`CountingBackend::reserve`], or a counted failure.
+    fn reserve_or_fail(&self, attempt: u64, bytes: usize) -> Result<usize, AllocError> {
+        self.reserve(attempt, bytes).ok_or_else(|| {
+            self.failures.fetch_add(1, SeqCst);
+            AllocError::OutOfMemory
+        })
+    }
+
+    /// Whether `buf` is a growable buffer; if so it is no longer counted as one.
+    fn forget_growable(&self, buf: &cpu::HostBuf) -> bool {
+        let mut grows = self.growable_bufs.lock();
+        let at = grows.iter().position(|&p| p == buf.ptr().as_ptr().addr());
+        at.map(|i| grows.swap_remove(i)).is_some()
+    }
+
+    /// Counts a successful allocation, with the bytes outstanding just after it.
+    fn counted(&self, outstanding: usize, zeroed: bool) {
+        self.allocs.fetch_add(1, SeqCst);
+        self.zeroed.fetch_add(u64::from(zeroed), SeqCst);
+        self.peak_bytes.fetch_max(outstanding, SeqCst);
+    }
+}
+
 impl fmt::Debug for CountingBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CountingBackend")
@@ -169,6 +217,7 @@ impl fmt::Debug for CountingBackend {
             .field("allocs", &self.allocs())
             .field("zeroed_allocs", &self.zeroed_allocs())
             .field("frees", &self.frees())
+            .field("grows", &self.grows())
             .field("failures", &self.failures())
             .field("outstanding_bytes", &self.outstanding_bytes())
             .field("peak_bytes", &self.peak_bytes())
@@ -179,22 +228,82 @@ impl fmt::Debug for CountingBackend {
 impl Backend for CountingBackend {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
         let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
-        let Some(outstanding) = self.reserve(attempt, bytes) else {
-            self.failures.fetch_add(1, SeqCst);
-            return Err(AllocError::OutOfMemory);
-        };
+        let outstanding = self.reserve_or_fail(attempt, bytes)?;
         // The bytes are reserved (see `reserve`): given back if the host fails.
         let storage = self.host.alloc(device, bytes, zeroed).inspect_err(|_| {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
         })?;
-        self.allocs.fetch_add(1, SeqCst);
-        self.zeroed.fetch_add(u64::from(zeroed), SeqCst);
-        self.peak_bytes.fetch_max(outstanding, SeqCst);
+        self.counted(outstanding, zeroed);
         Ok(storage)
+    }
+
+    fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
+        if !self.growable.load(SeqCst) || !cfg!(unix) || bytes > GROWABLE_RESERVE {
+            return self.alloc(device, bytes, false);
+        }
+        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
+        let outstanding = self.reserve_or_fail(attempt, bytes)?;
+        let Some(buf) = cpu::map_growable(GROWABLE_RESERVE, bytes) else {
+            self.outstanding_bytes.fetch_sub(bytes, SeqCst);
+            return Err(AllocError::OutOfMemory);
+        };
+        self.growable_bufs.lock().push(buf.ptr().as_ptr().addr());
+        self.counted(outstanding, false);
+        Ok(Storage::Host(buf))
+    }
+
+    fn grow(
+        &self,
+        _device: Device,
+        storage: &mut Storage,
+        bytes: usize,
+    ) -> Result<bool, AllocError> {
+        if !self.is_growable(storage) || bytes > GROWABLE_RESERVE {
+            return Ok(false);
+        }
+        let Some(buf) = storage.host_mut() else {
+            return Ok(false);
+        };
+        let Some(more) = bytes.checked_sub(buf.bytes()).filter(|&m| m > 0) else {
+            return Ok(true);
+        };
+        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
+        let outstanding = self.reserve_or_fail(attempt, more)?;
+        // SAFETY: a growable buffer (checked above), of a reserve of `GROWABLE_RESERVE >= bytes`.
+        unsafe { buf.set_view_len(bytes) };
+        self.counted(outstanding, false);
+        self.grows.fetch_add(1, SeqCst);
+        Ok(true)
+    }
+
+    fn is_growable(&self, storage: &Storage) -> bool {
+        match storage {
+            Storage::Host(buf) => self
+                .growable_bufs
+                .lock()
+                .contains(&buf.ptr().as_ptr().addr()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => false,
+        }
     }
 
     fn free(&self, device: Device, storage: Storage) {
         let bytes = storage.bytes();
+        let storage = match storage.into_host() {
+            Ok(buf) if self.forget_growable(&buf) => {
+                // SAFETY: made by `map_growable` with this reserve (it was in `growable_bufs`), and
+                // being freed: nothing uses it any more.
+                #[cfg(unix)]
+                unsafe {
+                    cpu::unmap_growable(buf, GROWABLE_RESERVE)
+                };
+                self.frees.fetch_add(1, SeqCst);
+                self.outstanding_bytes.fetch_sub(bytes, SeqCst);
+                return;
+            }
+            Ok(buf) => Storage::Host(buf),
+            Err(storage) => storage,
+        };
         self.host.free(device, storage);
         self.frees.fetch_add(1, SeqCst);
         self.outstanding_bytes.fetch_sub(bytes, SeqCst);

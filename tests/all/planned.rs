@@ -3,7 +3,10 @@
 //! lifetimes, at the same addresses, with no device allocation; smaller steps fit, larger ones
 //! re-plan; arrays kept alive past their planned end or past their step are never overwritten;
 //! drops on other threads, the byte cap, invalidation, `empty_cache`, out-of-memory recovery and
-//! thread exit give every byte back.
+//! thread exit give every byte back. On a backend that grows blocks in place (as CUDA's does),
+//! a larger step grows the plan's block instead of replacing it, a block given up at a step's
+//! end grows into the next plan's or goes back, and a growth the device refuses falls back to a
+//! new block.
 //!
 //! Each test counts device allocations with its own `CountingBackend`, so tests that act on
 //! every thread's caches (`empty_cache`, out-of-memory recovery) run one at a time (`serial()`).
@@ -149,13 +152,16 @@ fn layers(name: &str, len: usize, hold_input: bool) -> (usize, Vec<usize>) {
     (peak, at)
 }
 
-/// Cache `name` made a planned one on a fresh counting backend, and planned from two steps of
-/// [`layers`] of length 100 (`hold_input` as given).
+/// Cache `name` made a planned one on a fresh counting backend (growing a plan's block in place,
+/// as CUDA's does, if `growable`), and planned from two steps of [`layers`] of length 100
+/// (`hold_input` as given).
 fn planned_layers(
     name: &str,
     hold_input: bool,
+    growable: bool,
 ) -> (Arc<CountingBackend>, gpucache::testing::BackendGuard) {
     let planned = planned(name, None);
+    planned.0.set_growable(growable);
     layers(name, 100, hold_input);
     layers(name, 100, hold_input);
     planned
@@ -165,7 +171,7 @@ fn planned_layers(
 fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
     let _serial = serial();
     let name = "planned-scaled";
-    let (backend, _installed) = planned_layers(name, false);
+    let (backend, _installed) = planned_layers(name, false, false);
     let allocs = backend.allocs();
     backend.reset_peak();
     // The layers' arrays are half as large again: the step outgrows its plan at its first
@@ -191,7 +197,7 @@ fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
 fn a_longer_sequence_whose_input_holds_the_block_is_served_from_its_free_bytes() {
     let _serial = serial();
     let name = "planned-scaled-held";
-    let (backend, _installed) = planned_layers(name, true);
+    let (backend, _installed) = planned_layers(name, true, false);
     let allocs = backend.allocs();
     // The small array, alive through the step, keeps the old block in use: the longer step
     // takes what fits in the block's free bytes and allocates the rest apart (serving all of it
@@ -708,7 +714,7 @@ fn out_of_memory_recovery_releases_plan_blocks_and_spares() {
 fn a_plan_block_the_device_cannot_give_serves_the_array_alone() {
     let _serial = serial();
     let name = "planned-oom-scaled";
-    let (backend, _installed) = planned_layers(name, false);
+    let (backend, _installed) = planned_layers(name, false, false);
     // The longer step asks for its plan scaled, in one block: the device refuses it, and again
     // once the caches gave back what they hold. The array alone fits: the step goes on, every
     // value checked, served apart from then on (the plan went with the recovery).
@@ -776,4 +782,79 @@ fn the_arena_policy_is_the_planned_one() {
     let second = step(name, 8);
     assert_eq!(second[0], second[2], "planned over each other");
     assert_eq!(backend.allocs(), 4);
+}
+
+#[test]
+fn a_longer_sequence_grows_its_plans_block_in_place() {
+    let _serial = serial();
+    let name = "planned-grown";
+    let (backend, _installed) = planned_layers(name, false, true);
+    let (allocs, frees) = (backend.allocs(), backend.frees());
+    let held = backend.outstanding_bytes();
+    backend.reset_peak();
+    // As for a block given back and one made anew: one device allocation, the plan scaled,
+    // but the old block is not freed: it grows by the bytes the scaled plan needs more.
+    let (peak, scaled) = layers(name, 150, false);
+    assert_eq!(backend.allocs() - allocs, 1, "one growth");
+    assert_eq!(backend.frees(), frees, "the old block was kept and grown");
+    assert_eq!(backend.outstanding_allocs(), 1, "one block");
+    assert!(backend.outstanding_bytes() > held);
+    assert!(
+        backend.peak_bytes() as f64 <= 1.10 * peak as f64,
+        "{} bytes held for {peak} live",
+        backend.peak_bytes()
+    );
+    // The grown block serves the next steps as the new one did.
+    assert_eq!(layers(name, 150, false).1, scaled);
+    layers(name, 120, false);
+    assert_eq!(backend.allocs(), allocs + 1);
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every byte went back");
+}
+
+#[test]
+fn a_block_given_up_at_a_steps_end_grows_into_the_next_plans_or_goes_back() {
+    let _serial = serial();
+    let name = "planned-grown-later";
+    let (backend, _installed) = planned_layers(name, true, true);
+    // The input holds the block through the longer step: it is served from the block's free
+    // bytes and apart, and planned again at its end, larger: the block is kept to grow.
+    layers(name, 150, true);
+    assert_eq!(backend.outstanding_allocs(), 1, "the old block, kept");
+    let frees = backend.frees();
+    layers(name, 150, true);
+    assert_eq!(backend.frees(), frees, "grown into the new plan's block");
+    assert_eq!(backend.outstanding_allocs(), 1);
+    // The same again, but the next step allocates nothing: the kept block goes back at its end.
+    layers(name, 200, true);
+    assert_eq!(backend.outstanding_allocs(), 1);
+    drop(gpucache::enter(name));
+    assert_eq!(
+        backend.outstanding_allocs(),
+        0,
+        "kept through one step at most"
+    );
+    layers(name, 200, true);
+    layers(name, 200, true);
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
+fn a_growth_the_device_refuses_frees_the_old_block_and_makes_a_new_one() {
+    let _serial = serial();
+    let name = "planned-grown-refused";
+    let (backend, _installed) = planned_layers(name, false, true);
+    let frees = backend.frees();
+    // The growth fails: the old block is freed, and a new block made (each array checked).
+    backend.fail_nth(1);
+    layers(name, 150, false);
+    assert_eq!(backend.failures(), 1);
+    assert_eq!(backend.frees(), frees + 1, "the old block, freed");
+    assert_eq!(backend.outstanding_allocs(), 1, "one block");
+    let allocs = backend.allocs();
+    layers(name, 150, false);
+    assert_eq!(backend.allocs(), allocs);
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every byte went back");
 }

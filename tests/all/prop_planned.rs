@@ -14,13 +14,17 @@
 //! reads stats. Loops repeat a step (the same allocations in a scope) so that plans are made,
 //! followed and left: in one iteration a position may grow, or every position (a longer
 //! sequence), a drop may be delayed (the array outlives its planned end) and the newest array
-//! may outlive the step. After every operation:
+//! may outlive the step. Each program runs on a backend that grows plans' blocks in place (as
+//! CUDA's does) or on one that does not, at random; the fixed programs run on both. After every
+//! operation:
 //!
 //! * no two live arrays share storage, and each still holds the pattern written at allocation;
 //! * the backend's outstanding bytes, allocations and frees are the sums over the program's
 //!   caches (`bytes_in_use + bytes_cached`, `device_allocs`, `device_frees`, read through
 //!   `snapshot()`, which takes nothing in) plus those of the live arrays allocated outside any
-//!   scope: the caches account for every block they hold, whatever they count as hits;
+//!   scope (a block grown in place counts in the caches as a free and an allocation, in the
+//!   backend as a growth): the caches account for every block they hold, whatever they count
+//!   as hits;
 //!
 //! and after the program, dropping everything, exiting every scope, invalidating every name and
 //! `empty_cache` give every byte back (outstanding bytes 0, as many frees as allocations).
@@ -340,9 +344,12 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn random_programs_on_planned_caches_stay_safe(program in program(0..12)) {
+    fn random_programs_on_planned_caches_stay_safe(
+        program in program(0..12),
+        growable in any::<bool>(),
+    ) {
         let _serial = serial();
-        run(|world| {
+        run(growable, |world| {
             let mut ops = Vec::new();
             unroll(&program.0, &mut ops);
             world.run(&ops);
@@ -355,9 +362,10 @@ proptest! {
         scope in name(),
         step in step_ops(),
         returns in any::<bool>(),
+        growable in any::<bool>(),
     ) {
         let _serial = serial();
-        run(|world| {
+        run(growable, |world| {
             let mut ops = Vec::new();
             unroll(&prelude.0, &mut ops);
             world.run(&ops);
@@ -457,7 +465,7 @@ fn fixed_programs_stay_safe() {
         }],
     ];
     for program in programs {
-        run(|world| {
+        run_both(|world| {
             let mut ops = Vec::new();
             unroll(&program, &mut ops);
             world.run(&ops);
@@ -473,7 +481,7 @@ fn fixed_programs_stay_safe() {
 #[test]
 fn a_step_that_returns_a_small_array_settles_on_its_plan() {
     let _serial = serial();
-    run(|world| {
+    run_both(|world| {
         let step = [StepOp::Alloc(Dt::F32, vec![4, 4], Init::Zeros)];
         repeat_step(world, Name::A, &step, true);
     });
@@ -487,7 +495,7 @@ fn a_step_that_returns_a_small_array_settles_on_its_plan() {
 fn an_array_that_outlived_only_the_recorded_step_settles_on_a_new_plan() {
     use Op::*;
     let _serial = serial();
-    run(|world| {
+    run_both(|world| {
         let alloc = Alloc(Dt::F32, vec![1000], Init::Zeros);
         world.run(&[Enter(Name::A), alloc, Exit, Drop(0)]);
         let step = [StepOp::Alloc(Dt::F32, vec![1000], Init::Zeros)];
@@ -504,7 +512,7 @@ fn an_array_that_outlived_only_the_recorded_step_settles_on_a_new_plan() {
 fn a_returned_array_whose_position_is_still_taken_goes_apart() {
     use Op::*;
     let _serial = serial();
-    run(|world| {
+    run_both(|world| {
         let alloc = Alloc(Dt::F32, vec![4, 4], Init::Zeros);
         let prelude = Loop {
             times: 1,
@@ -567,11 +575,20 @@ fn repeat_step(world: &mut World, scope: Name, step: &[StepOp], returns: bool) {
     }
 }
 
+/// [`run`] on a backend that does not grow blocks, then on one that does.
+fn run_both(program: impl Fn(&mut World) + Sync) {
+    for growable in [false, true] {
+        run(growable, &program);
+    }
+}
+
 /// Runs `program` on a fresh thread (so that its caches start empty and are closed at the end)
-/// with a fresh counting backend and a helper thread that drops the arrays sent to it, then
-/// cleans up: every byte must come back.
-fn run(program: impl FnOnce(&mut World) + Send) {
+/// with a fresh counting backend (growing plans' blocks in place, as CUDA's does, if
+/// `growable`) and a helper thread that drops the arrays sent to it, then cleans up: every byte
+/// must come back.
+fn run(growable: bool, program: impl FnOnce(&mut World) + Send) {
     run_on_fresh_threads("planned-program", |backend, helper| {
+        backend.set_growable(growable);
         let mut world = World::new(backend, helper);
         program(&mut world);
         world.clean_up();
@@ -796,7 +813,7 @@ program_world!(World, Op);
 fn a_returned_array_from_the_plans_block_settles_one_step_later() {
     use Op::*;
     let _serial = serial();
-    run(|world| {
+    run_both(|world| {
         let prelude = vec![
             Loop {
                 times: 1,

@@ -112,3 +112,38 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
         assert!(m.peak_device >= 512, "{mode:?}: {m:?}");
     }
 }
+
+/// The planned replay of `ops` on this thread through a fresh counting backend (growable as
+/// asked): the most bytes it held over the log's peak live bytes, the device allocations after
+/// the second step, and the growths.
+fn planned_on(ops: &[Op], growable: bool) -> (f64, u64, u64) {
+    let backend = gpucache::testing::CountingBackend::new();
+    backend.set_growable(growable);
+    let installed = gpucache::testing::use_backend(&backend);
+    gpucache::empty_cache();
+    let r = replay::replay(ops, Device::Cpu, Mode::Gpucache).unwrap();
+    gpucache::empty_cache();
+    drop(installed);
+    assert_eq!(backend.outstanding_bytes(), 0, "every byte went back");
+    let ratio = backend.peak_bytes() as f64 / replay::peak_live(ops) as f64;
+    (ratio, r.step_allocs.iter().skip(2).sum(), backend.grows())
+}
+
+#[test]
+fn plan_blocks_grown_in_place_keep_the_fixtures_peaks_and_allocate_no_more() {
+    let _serial = serial();
+    let mut grows = 0;
+    for &(log, bound) in LOGS {
+        let path = format!("{}/tests/fixtures/{log}.csv.gz", env!("CARGO_MANIFEST_DIR"));
+        let ops = replay::read(path.as_ref()).unwrap();
+        let (peak, allocs, _) = planned_on(&ops, false);
+        let (grown_peak, grown_allocs, grown) = planned_on(&ops, true);
+        assert!(
+            grown_peak <= peak && grown_peak <= bound,
+            "{log}: {grown_peak:.3}x grown, {peak:.3}x not"
+        );
+        assert!(grown_allocs <= allocs, "{log}: {grown_allocs} > {allocs}");
+        grows += grown;
+    }
+    assert!(grows > 0, "no plan block grew");
+}

@@ -956,6 +956,47 @@ fn a_longer_sequence_computes_in_its_plan_scaled(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// A plan's block of 32 MiB or more is mapped through CUDA's virtual memory management: a
+/// longer step, run on another stream than the block's, grows it in place (one device
+/// allocation, and no free: the old bytes keep their address), kernels compute the same values
+/// in it, and the grown block serves the next steps, longer or shorter, with no allocation.
+fn a_longer_sequence_grows_its_plans_block_in_place(dev: Device) -> TestResult {
+    let name = "cuda-grown";
+    arena(name);
+    // Eight layers of `n` and `[n, 4]` floats: a plan's block of about 48 MiB.
+    let n = 1 << 21;
+    for _ in 0..2 {
+        layer_step(dev, name, n, false)?;
+    }
+    let side = gpucache::cuda::context(dev)?.new_stream()?;
+    let before = gpucache::device_stats(dev)?;
+    let grown = {
+        let _on_side = gpucache::cuda::use_stream(&side)?;
+        layer_step(dev, name, n + n / 2, false)?
+    };
+    let after = gpucache::device_stats(dev)?;
+    if caching() {
+        assert_eq!(grown, 1, "one device allocation: the growth");
+        assert_eq!(
+            after.frees, before.frees,
+            "the old block was grown, not freed"
+        );
+        assert!(after.bytes_allocated > before.bytes_allocated);
+        assert_eq!(layer_step(dev, name, n + n / 2, false)?, 0, "planned again");
+        assert_eq!(layer_step(dev, name, n, false)?, 0, "a shorter one fits");
+    }
+    let before = gpucache::device_stats(dev)?;
+    gpucache::invalidate(name);
+    if caching() {
+        let after = gpucache::device_stats(dev)?;
+        assert!(
+            after.bytes_allocated + n * 4 * 4 < before.bytes_allocated,
+            "the grown block went back"
+        );
+    }
+    Ok(())
+}
+
 /// A decoder's cache of keys and values, one token longer every step, made in one step and
 /// dropped in the next (so planned apart): after the first steps each comes from the block the
 /// one before last had, a spare, through the view that array had (the view spans the block, so
@@ -1028,6 +1069,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     prompt_and_decoding_steps_compute_on_their_own_plans,
     a_longer_sequence_computes_in_its_plan_scaled,
+    a_longer_sequence_grows_its_plans_block_in_place,
     a_spare_serves_longer_arrays_through_the_view_it_kept,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,

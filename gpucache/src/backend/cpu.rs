@@ -54,7 +54,8 @@ impl HostBuf {
     /// Makes a view (see [`HostBuf::view`]) `bytes` long.
     ///
     /// # Safety
-    /// `self` was made by [`HostBuf::view`] over at least `bytes > 0` bytes.
+    /// `self` was made by [`HostBuf::view`] over at least `bytes > 0` bytes, or by
+    /// [`map_growable`] with a reserve of at least `bytes`.
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
         self.bytes = bytes;
     }
@@ -143,6 +144,24 @@ unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
 #[cfg(not(unix))]
 fn map(_bytes: usize) -> Option<NonNull<u8>> {
     None
+}
+
+/// A buffer of `bytes` in a mapping of `reserve >= bytes > 0` bytes, which it may grow into in
+/// place ([`HostBuf::set_view_len`] is how: the kernel backs only the pages touched). For the
+/// testing backend's growable blocks; `None` when the mapping fails, or without `mmap`.
+pub(crate) fn map_growable(reserve: usize, bytes: usize) -> Option<HostBuf> {
+    debug_assert!(0 < bytes && bytes <= reserve);
+    map(reserve).map(|ptr| HostBuf { ptr, bytes })
+}
+
+/// Unmaps a buffer made by [`map_growable`] with this `reserve`.
+///
+/// # Safety
+/// `buf` was made by [`map_growable`] with `reserve`, and nothing uses its memory any more.
+#[cfg(unix)]
+pub(crate) unsafe fn unmap_growable(buf: HostBuf, reserve: usize) {
+    // SAFETY: the whole mapping `map_growable` made, unused (caller).
+    unsafe { unmap(buf.ptr, reserve) };
 }
 
 /// Whether buffers of `bytes` are mapped (see [`MAP_THRESHOLD`]).

@@ -20,6 +20,18 @@
 //! the cache keeps the buffer off its free lists until those events complete
 //! ([`CudaBuf::is_idle`], polled lazily by the cache, as Paddle's StreamSafeCUDAAllocator does).
 //! Unmarked buffers never create an event.
+//!
+//! # Growable blocks
+//!
+//! A planned cache's block ([`Backend::alloc_growable`]) of at least [`vmm::GROWABLE_MIN`]
+//! bytes is mapped through the driver's virtual memory management instead ([`vmm`]), where the
+//! device supports it: when a larger step outgrows the plan, the block grows in place
+//! ([`Backend::grow`]), mapping only the new bytes, rather than being freed and allocated again
+//! at its new size. Its cudarc slice is made over the mapped range and never freed by cudarc.
+//! Unmapping does not wait for the device, so such a block's free waits for the streams that
+//! used it first (a host synchronisation, where other blocks are freed stream-ordered): it
+//! happens when a plan's block is released (`invalidate`, `empty_cache`, out-of-memory
+//! recovery, a block given up), not in a step that follows its plan.
 
 use std::cell::RefCell;
 use std::mem::{self, ManuallyDrop};
@@ -33,6 +45,8 @@ use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
+
+mod vmm;
 
 use super::capture;
 use super::{AllocError, Backend, Storage};
@@ -50,6 +64,8 @@ pub(crate) struct DeviceState {
     pub(crate) sentinel: CudaSlice<u8>,
     /// The sentinel's device pointer.
     pub(crate) sentinel_ptr: CUdeviceptr,
+    /// How growable blocks are mapped (`None`: the device or driver cannot).
+    vmm: Option<vmm::Vmm>,
     /// Buffers allocated and freed through gpucache, and the bytes not yet freed.
     allocs: AtomicU64,
     frees: AtomicU64,
@@ -121,11 +137,13 @@ pub(crate) fn device_state(ordinal: usize) -> Result<&'static DeviceState> {
     let sentinel = unsafe { default_stream.alloc::<u8>(1) }?;
     let sentinel_ptr = raw_ptr(&sentinel);
     default_stream.synchronize()?;
+    let vmm = vmm::Vmm::probe(&ctx);
     Ok(slot.get_or_init(|| DeviceState {
         ctx,
         default_stream,
         sentinel,
         sentinel_ptr,
+        vmm,
         allocs: AtomicU64::new(0),
         frees: AtomicU64::new(0),
         outstanding: AtomicUsize::new(0),
@@ -223,6 +241,21 @@ fn alloc_error(e: DriverError) -> AllocError {
     }
 }
 
+/// Runs `alloc`; when the device is out of memory, waits for the memory freed stream-ordered
+/// (`cuMemFreeAsync`) to return to the device as the device catches up, and tries once more.
+fn retry_out_of_memory<T>(
+    state: &DeviceState,
+    mut alloc: impl FnMut() -> Result<T, DriverError>,
+) -> Result<T, AllocError> {
+    match alloc() {
+        Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
+            state.ctx.synchronize().map_err(alloc_error)?;
+            alloc().map_err(alloc_error)
+        }
+        got => got.map_err(alloc_error),
+    }
+}
+
 impl Backend for CudaBackend {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
         let n = ordinal(device).map_err(AllocError::Other)?;
@@ -231,18 +264,7 @@ impl Backend for CudaBackend {
         // SAFETY: the memory is left unset here; it is zeroed below when asked, and otherwise
         // only ever copied out as plain bytes (`Array` zeroes or overwrites it before any
         // element type that not every bit pattern is valid for could be read).
-        let first = unsafe { stream.alloc::<u8>(bytes) };
-        let mut slice = match first {
-            Ok(slice) => slice,
-            Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
-                // Memory freed stream-ordered (cuMemFreeAsync) returns to the device's pool
-                // only as the device catches up: wait for it, then try once more.
-                state.ctx.synchronize().map_err(alloc_error)?;
-                // SAFETY: as above.
-                unsafe { stream.alloc::<u8>(bytes) }.map_err(alloc_error)?
-            }
-            Err(e) => return Err(alloc_error(e)),
-        };
+        let mut slice = retry_out_of_memory(state, || unsafe { stream.alloc::<u8>(bytes) })?;
         if zeroed {
             stream.memset_zeros(&mut slice).map_err(alloc_error)?;
         }
@@ -252,6 +274,67 @@ impl Backend for CudaBackend {
         Ok(Storage::Cuda(Box::new(CudaBuf::new(
             slice, base, false, stream,
         ))))
+    }
+
+    fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
+        let n = ordinal(device).map_err(AllocError::Other)?;
+        let state = device_state(n).map_err(AllocError::Other)?;
+        let Some(vmm) = state.vmm.filter(|_| bytes >= vmm::GROWABLE_MIN) else {
+            return self.alloc(device, bytes, false);
+        };
+        state.ctx.bind_to_thread().map_err(alloc_error)?;
+        let mapping = retry_out_of_memory(state, || vmm.map(bytes))?;
+        let (base, mapped) = (mapping.base(), mapping.mapped());
+        let stream = thread_stream(n, state);
+        // SAFETY: `[base, base + mapped)` is mapped, readable and writable by the device, and
+        // stays so until the buffer's drop releases it, after leaking this slice (which cudarc
+        // must never free). The memory is left unset, as in `alloc`.
+        let slice = unsafe { stream.upgrade_device_ptr::<u8>(base, mapped) };
+        state.allocs.fetch_add(1, Relaxed);
+        state.outstanding.fetch_add(mapped, Relaxed);
+        let mut buf = CudaBuf::new(slice, base, false, stream);
+        buf.mapping = Some(mapping);
+        Ok(Storage::Cuda(Box::new(buf)))
+    }
+
+    fn grow(
+        &self,
+        device: Device,
+        storage: &mut Storage,
+        bytes: usize,
+    ) -> Result<bool, AllocError> {
+        let Storage::Cuda(buf) = storage else {
+            return Ok(false);
+        };
+        let Some(mapping) = &mut buf.mapping else {
+            return Ok(false);
+        };
+        let before = mapping.mapped();
+        let state = ordinal(device)
+            .and_then(device_state)
+            .map_err(AllocError::Other)?;
+        state.ctx.bind_to_thread().map_err(alloc_error)?;
+        if !retry_out_of_memory(state, || mapping.grow(bytes))? {
+            return Ok(false);
+        }
+        let mapped = mapping.mapped();
+        if mapped == before {
+            return Ok(true);
+        }
+        // SAFETY: as in `alloc_growable`: the whole mapped range, whose first `before` bytes
+        // are the old slice's, unmoved and unchanged.
+        let slice = unsafe { buf.stream.upgrade_device_ptr::<u8>(buf.base, mapped) };
+        // The old slice is cudarc's view of memory it must not free: its stream waits for its
+        // events, and it is forgotten.
+        mem::replace(&mut *buf.slice, slice).leak();
+        buf.len = mapped;
+        state.allocs.fetch_add(1, Relaxed);
+        state.outstanding.fetch_add(mapped - before, Relaxed);
+        Ok(true)
+    }
+
+    fn is_growable(&self, storage: &Storage) -> bool {
+        matches!(storage, Storage::Cuda(buf) if buf.mapping.is_some())
     }
 
     fn free(&self, device: Device, storage: Storage) {
@@ -297,6 +380,9 @@ pub(crate) struct CudaBuf {
     /// Flags of captured graphs that bake in this buffer's address for its current owner;
     /// cleared when the owner drops (the graph must not be replayed any more).
     watchers: Mutex<Vec<Arc<AtomicBool>>>,
+    /// A growable block's mapping (see [`vmm`]): the slice is then cudarc's view of it, never
+    /// freed by cudarc.
+    mapping: Option<vmm::Mapping>,
 }
 
 impl CudaBuf {
@@ -312,6 +398,7 @@ impl CudaBuf {
             marked: Mutex::new(SmallVec::new()),
             events: Vec::new(),
             watchers: Mutex::new(Vec::new()),
+            mapping: None,
         }
     }
 
@@ -575,6 +662,9 @@ impl Drop for CudaBuf {
             return;
         }
         self.end_use();
+        if let Some(mapping) = self.mapping.take() {
+            return self.release(mapping);
+        }
         let free_stream = Arc::clone(self.slice.stream());
         let ctx = free_stream.context();
         for event in &self.events {
@@ -588,5 +678,40 @@ impl Drop for CudaBuf {
         }
         // SAFETY: `slice` is taken once, here, and `self` is not used after.
         drop(unsafe { ManuallyDrop::take(&mut self.slice) });
+    }
+}
+
+impl CudaBuf {
+    /// Drops a growable block: waits for every stream that used it (unmapping does not wait
+    /// for the device), then unmaps it. A block whose streams cannot be waited for is leaked
+    /// rather than unmapped under running work (a failing driver has bigger problems).
+    #[cold]
+    fn release(&mut self, mapping: vmm::Mapping) {
+        // SAFETY: `slice` is taken once, here (the caller is `drop`), and `self.slice` is not
+        // used after.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        let slice_stream = Arc::clone(slice.stream());
+        // cudarc's view of the mapping: its stream waits for its events, and it is forgotten.
+        slice.leak();
+        let ctx = Arc::clone(self.stream.context());
+        let idle = self
+            .events
+            .iter()
+            .try_for_each(CudaEvent::synchronize)
+            .and_then(|()| self.stream.synchronize())
+            .and_then(|()| slice_stream.synchronize())
+            .and_then(|()| ctx.bind_to_thread());
+        match idle {
+            // SAFETY: the block's own stream, the slice's and the streams its owners were
+            // marked as used on (their events, recorded by `end_use`; views hand their streams
+            // to their block) have finished their work; no view of the block is alive (a block
+            // is freed only once its views are gone), and the buffer is dropping, so nothing
+            // uses the addresses again. The context is current.
+            Ok(()) => unsafe { mapping.release() },
+            Err(e) => {
+                ctx.record_err::<()>(Err(e));
+                mem::forget(mapping);
+            }
+        }
     }
 }

@@ -5,8 +5,9 @@
 //! back to the right place from whichever thread drops it (RAII: dropping a `Block` frees it).
 //!
 //! Backends: [`cpu`] (64-byte aligned host memory, always built), `cuda` (feature `cuda`: device
-//! memory through cudarc, stream-ordered) and the counting, fault-injecting backend of
-//! [`crate::testing`]. Each device resolves to one backend per thread: for `Device::Cpu` the CPU
+//! memory through cudarc, stream-ordered; a planned cache's large blocks through CUDA's virtual
+//! memory management, growable in place) and the counting, fault-injecting backend of
+//! [`crate::testing`] (which can grow blocks in place too, for tests). Each device resolves to one backend per thread: for `Device::Cpu` the CPU
 //! backend unless a test installed another on this thread, for `Device::Cuda(n)` the CUDA
 //! backend.
 
@@ -36,6 +37,30 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     /// Allocates `bytes > 0` bytes on `device`. Host memory is always returned zeroed (it must be
     /// initialised to be read); `zeroed` asks a device backend to zero it too.
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError>;
+    /// Allocates `bytes > 0` bytes on `device` that [`Backend::grow`] may later grow in place
+    /// (a planned cache's block, which a larger step makes larger). Never zeroed: the arrays
+    /// in such a block zero their own bytes. A backend that cannot grow memory allocates as
+    /// [`Backend::alloc`] does.
+    fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
+        self.alloc(device, bytes, false)
+    }
+    /// Grows `storage`, made by this backend on `device`, in place to at least `bytes`: its
+    /// address and contents stay, and only the new bytes are allocated (counted as one
+    /// allocation). `Ok(false)` when it cannot (memory not made growable, or no room to grow).
+    fn grow(
+        &self,
+        device: Device,
+        storage: &mut Storage,
+        bytes: usize,
+    ) -> Result<bool, AllocError> {
+        let _ = (device, storage, bytes);
+        Ok(false)
+    }
+    /// Whether [`Backend::grow`] may grow `storage`.
+    fn is_growable(&self, storage: &Storage) -> bool {
+        let _ = storage;
+        false
+    }
     /// Gives memory made by [`Backend::alloc`] on `device` back.
     fn free(&self, device: Device, storage: Storage);
     /// What this backend has done on `device`.
@@ -71,6 +96,24 @@ impl Storage {
             Storage::Host(h) => h.bytes(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.bytes(),
+        }
+    }
+
+    /// The host memory, when that is what it is.
+    pub(crate) fn host_mut(&mut self) -> Option<&mut HostBuf> {
+        match self {
+            Storage::Host(h) => Some(h),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => None,
+        }
+    }
+
+    /// The host memory, when that is what it is; else the storage back.
+    pub(crate) fn into_host(self) -> Result<HostBuf, Storage> {
+        match self {
+            Storage::Host(h) => Ok(h),
+            #[cfg(feature = "cuda")]
+            other => Err(other),
         }
     }
 
@@ -115,6 +158,32 @@ impl Block {
             storage: ManuallyDrop::new(storage),
             backend: Arc::clone(backend),
         })
+    }
+
+    /// Allocates a block of `bytes` on `device` from `backend` that [`Block::grow`] may grow
+    /// (see [`Backend::alloc_growable`]).
+    pub(crate) fn alloc_growable(
+        backend: &Arc<dyn Backend>,
+        device: Device,
+        bytes: usize,
+    ) -> Result<Block, AllocError> {
+        let storage = backend.alloc_growable(device, bytes)?;
+        Ok(Block {
+            storage: ManuallyDrop::new(storage),
+            backend: Arc::clone(backend),
+        })
+    }
+
+    /// Grows the block in place to at least `bytes` (see [`Backend::grow`]); `Ok(false)` when
+    /// its backend cannot.
+    pub(crate) fn grow(&mut self, bytes: usize) -> Result<bool, AllocError> {
+        let device = self.device();
+        self.backend.grow(device, &mut self.storage, bytes)
+    }
+
+    /// Whether [`Block::grow`] may grow the block.
+    pub(crate) fn is_growable(&self) -> bool {
+        self.backend.is_growable(&self.storage)
     }
 
     /// A view of the `bytes` bytes of this block that start at `offset`, whose backend is

@@ -109,6 +109,23 @@
 //! is free, so the plan keeps those bytes taken (a later position over them is served apart and
 //! the step is planned again), which is safe.
 //!
+//! # A block given up, and grown
+//!
+//! A plan's block is made growable where its backend can grow memory in place (CUDA's virtual
+//! memory management, for blocks of 32 MiB or more; see `backend/cuda/vmm.rs`). When the plan
+//! gives its block up while no array uses it and no stream's work on it is pending (the step
+//! outgrew or left its plan, a larger plan was made or switched in, or the block retired under
+//! its arrays came back), a growable block is not freed: the device keeps it as *given up*
+//! ([`DeviceArena::given_up`]), counted as cached. The next plan's block is that block: as it
+//! is when it holds the plan (it is made ready for the step's stream as any plan's block is),
+//! else grown in place to the new footprint ([`Make::Grow`]), which maps only the new bytes and
+//! counts as the old size freed and the new one allocated. A step longer than every one before
+//! it then costs the growth, not a new block of the whole footprint and the old one's free.
+//! The block given up is freed before any other device allocation of the cache that would take
+//! it past the most it has held ([`DeviceArena::high`]), and at the end of a step after the one
+//! it was given up in, so that keeping it never raises the cache's peak; `invalidate`,
+//! `empty_cache` and out-of-memory recovery free it with the rest.
+//!
 //! # Stream order
 //!
 //! A plan's block is made ready for the thread's current stream at the first hit of each step
@@ -138,7 +155,7 @@ use std::sync::atomic::Ordering::*;
 
 use super::counters::{Counters, GaugeIx, add, sub};
 use super::state::{CacheState, ConfigSeq};
-use super::{ARENA, CacheCell, Got, Home, Request, Take};
+use super::{ARENA, CacheCell, Got, Home, Make, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, size_class_within};
 use crate::trace::record::{self, CellName, EventKind, Note};
@@ -488,11 +505,12 @@ impl BufferNote {
 enum Planned {
     /// A view, with its home's `slot` and step.
     View(Block, u32, u32),
-    /// Allocate a block of `capacity` bytes and pass it to [`CacheCell::adopt`] (a block the
-    /// array gets a view of, when `view`).
+    /// Allocate a block of `capacity` bytes as `make` says and pass it to
+    /// [`CacheCell::adopt`] (a block the array gets a view of, when `view`).
     Alloc {
         capacity: usize,
         view: bool,
+        make: Make,
     },
     /// The cache tracks its most devices: allocate without it.
     Bypass,
@@ -522,10 +540,25 @@ fn note_block(st: &Counters, g: GaugeIx, trace: &CellName, kind: EventKind, bloc
 
 /// Gives `block`, of gauge `g` of the cache named `trace`, back to the device (recorded).
 fn free_block(st: &Counters, g: GaugeIx, trace: &CellName, block: Block) {
+    uncount_block(st, g, trace, &block);
+}
+
+/// Counts `block`, of gauge `g` of the cache named `trace`, as given back to the device
+/// (recorded): it is being freed, or grown in place, which counts as a free of its old size and
+/// an allocation of its new one.
+fn uncount_block(st: &Counters, g: GaugeIx, trace: &CellName, block: &Block) {
     st.freed(g, block.bytes());
     if record::on() {
-        note_block(st, g, trace, EventKind::DeviceFree, &block);
+        note_block(st, g, trace, EventKind::DeviceFree, block);
     }
+}
+
+/// Whether this thread captures a step graph (no block may be made or freed meanwhile).
+fn capturing() -> bool {
+    #[cfg(feature = "cuda")]
+    return backend::capture::capturing();
+    #[cfg(not(feature = "cuda"))]
+    false
 }
 
 /// The `slot` of the home of an array at `pos`.
@@ -559,7 +592,44 @@ impl DeviceArena {
             plan: None,
             shelf: Vec::new(),
             spares: Vec::new(),
+            given_up: None,
+            high: 0,
             awaiting: None,
+        }
+    }
+
+    /// A new block of `capacity` bytes for the cache, the plan's block (`plan`) or a solo one.
+    /// The plan's block grows the block the plan last gave up ([`DeviceArena::given_up`]), if
+    /// any; any other allocation frees that block first unless the cache would then hold no
+    /// more than its most so far ([`DeviceArena::high`]), so that keeping it never raises the
+    /// cache's peak. While the thread captures a step graph (which refuses the allocation) it
+    /// stays.
+    fn alloc(&mut self, st: &Counters, capacity: usize, plan: bool) -> Planned {
+        let held = st.gauge(self.gauge).held.load(Relaxed) as usize;
+        self.high = self.high.max(held);
+        let make = match self.given_up.take() {
+            Some((old, _)) if plan && !capturing() => {
+                // Handed over: counted as freed until adopted at its new size.
+                uncached(st, self.gauge, old.bytes());
+                uncount_block(st, self.gauge, &self.trace, &old);
+                Make::Grow(old)
+            }
+            // Kept while the cache then holds no more than it ever did.
+            Some(kept) if capturing() || held.saturating_add(capacity) <= self.high => {
+                self.given_up = Some(kept);
+                if plan { Make::Growable } else { Make::Plain }
+            }
+            old => {
+                if let Some((old, _)) = old {
+                    self.free_cached(st, old);
+                }
+                if plan { Make::Growable } else { Make::Plain }
+            }
+        };
+        Planned::Alloc {
+            capacity,
+            view: true,
+            make,
         }
     }
 
@@ -651,7 +721,8 @@ impl DeviceArena {
             return false;
         }
         drop_kept(views);
-        self.detach(st, b, in_use)
+        // The shelved plan needs a larger block.
+        self.detach(st, b, in_use, true)
     }
 
     /// Whether position `pos`, which `size` aligned bytes outgrow, is served apart on its own
@@ -670,8 +741,10 @@ impl DeviceArena {
     }
 
     /// Takes the plan's block out of the plan: freed if no array uses it, else retired (then
-    /// owned by its arrays). Returns whether it was retired.
-    fn detach(&mut self, st: &Counters, arena: BlockPtr, in_use: usize) -> bool {
+    /// owned by its arrays). With `keep` (a plan will want a block again, maybe a larger
+    /// one), a block that no array or stream uses and that can grow is kept for it instead
+    /// ([`DeviceArena::given_up`]). Returns whether it was retired.
+    fn detach(&mut self, st: &Counters, arena: BlockPtr, in_use: usize, keep: bool) -> bool {
         // SAFETY: a plan's block is the cache's until detached.
         let counts = unsafe { arena.as_ref() };
         let bytes = counts.block.bytes();
@@ -693,8 +766,24 @@ impl DeviceArena {
         }
         // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
         let block = unsafe { ArenaBlock::into_block(arena) };
-        if block.is_idle() {
+        self.give_up(st, block, keep);
+        false
+    }
+
+    /// Takes `block`, a plan's block that no array uses, counted as cached, out of use: with
+    /// `keep`, kept for the next plan's block ([`DeviceArena::given_up`]) when it can grow and
+    /// no stream's work on it is pending; else freed, or while another stream may still use
+    /// it, kept as a spare (not reused) until that work is done. Returns whether it was freed.
+    fn give_up(&mut self, st: &Counters, block: Block, keep: bool) -> bool {
+        if keep && block.is_idle() && block.is_growable() && !capturing() {
+            let step = self.step;
+            if let Some((old, _)) = self.given_up.replace((block, step)) {
+                self.free_cached(st, old);
+            }
+            false
+        } else if block.is_idle() {
             self.free_cached(st, block);
+            true
         } else {
             // Another stream may still use it: kept (and not reused) until that work is done,
             // then given back with the spares.
@@ -703,8 +792,8 @@ impl DeviceArena {
                 held: Held::Bare(block),
                 step,
             });
+            false
         }
-        false
     }
 
     /// Frees the plan's block if no array uses it (a step that left its plan uses it no more).
@@ -721,7 +810,7 @@ impl DeviceArena {
             return false;
         }
         plan.take_block()
-            .is_some_and(|(b, in_use)| self.detach(st, b, in_use))
+            .is_some_and(|(b, in_use)| self.detach(st, b, in_use, true))
     }
 
     /// Drops the plan (its block detached). Returns whether the block was retired.
@@ -732,7 +821,7 @@ impl DeviceArena {
         };
         self.diverged = true;
         plan.take_block()
-            .is_some_and(|(b, in_use)| self.detach(st, b, in_use))
+            .is_some_and(|(b, in_use)| self.detach(st, b, in_use, false))
     }
 
     /// The step ended: plans it again if it left its plan (keeping the block when it fits the
@@ -796,7 +885,7 @@ impl DeviceArena {
                     keep = Some(b);
                 } else {
                     drop_kept(std::mem::take(&mut views));
-                    retired += usize::from(self.detach(st, b, in_use));
+                    retired += usize::from(self.detach(st, b, in_use, !fits && !tainted));
                 }
             }
             let cap = loose_cap(&layout, &self.shelf);
@@ -806,7 +895,7 @@ impl DeviceArena {
         } else if tainted && let Some(plan) = &mut self.plan {
             plan.tainted = false;
             if let Some((b, in_use)) = plan.take_block() {
-                retired += usize::from(self.detach(st, b, in_use));
+                retired += usize::from(self.detach(st, b, in_use, false));
             }
         }
         self.record.clear();
@@ -821,6 +910,9 @@ impl DeviceArena {
         self.awaiting = None;
         let step = self.step;
         self.step = step.wrapping_add(1);
+        if let Some((old, _)) = self.given_up.take_if(|(_, given_up)| *given_up != step) {
+            self.free_cached(st, old);
+        }
         let mut i = 0;
         while i < self.spares.len() {
             if self.spares[i].step != step {
@@ -856,6 +948,7 @@ impl CacheState {
             return Planned::Alloc {
                 capacity: req.bytes,
                 view: false,
+                make: Make::Plain,
             };
         };
         let Some(i) = self.arena_for(st, req.device) else {
@@ -974,10 +1067,7 @@ impl CacheState {
             };
         }
         a.awaiting = Some(Awaiting::Solo { pos });
-        Planned::Alloc {
-            capacity,
-            view: true,
-        }
+        a.alloc(st, capacity, false)
     }
 
     /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a
@@ -991,17 +1081,30 @@ impl CacheState {
         offset: usize,
         rec: u32,
     ) -> Planned {
+        let generation = self.generation;
         let a = &mut self.arenas.devices[i];
         let Some(plan) = &mut a.plan else {
             unreachable!("served from a plan")
         };
-        let Some(arena) = plan.block else {
-            plan.layout.dropped(pos);
-            a.awaiting = Some(Awaiting::Plan { pos, offset, rec });
-            return Planned::Alloc {
-                capacity: plan.layout.footprint,
-                view: true,
-            };
+        let footprint = plan.layout.footprint;
+        let arena = match plan.block {
+            Some(arena) => arena,
+            None => match a.given_up.take_if(|(b, _)| b.bytes() >= footprint) {
+                // The block given up last holds the plan as it is: it is the plan's block again
+                // (counted as cached all along, as a plan's block with no array is), made ready
+                // for the step's stream below.
+                Some((block, _)) => {
+                    let arena = ArenaBlock::new(block, generation);
+                    plan.block = Some(arena);
+                    plan.ready = false;
+                    arena
+                }
+                None => {
+                    plan.layout.dropped(pos);
+                    a.awaiting = Some(Awaiting::Plan { pos, offset, rec });
+                    return a.alloc(st, footprint, true);
+                }
+            },
         };
         match plan.make_ready(arena) {
             Ok(true) => {}
@@ -1010,10 +1113,7 @@ impl CacheState {
                 plan.layout.dropped(pos);
                 a.diverged = true;
                 a.awaiting = Some(Awaiting::Solo { pos: rec });
-                return Planned::Alloc {
-                    capacity: aligned(req.bytes).unwrap_or(req.bytes),
-                    view: true,
-                };
+                return a.alloc(st, aligned(req.bytes).unwrap_or(req.bytes), false);
             }
             Err(e) => {
                 plan.layout.dropped(pos);
@@ -1184,6 +1284,7 @@ impl CacheState {
         let generation = self.generation;
         let a = &mut self.arenas.devices[i];
         st.allocated(a.gauge, block.bytes());
+        a.high = a.high.max(st.gauge(a.gauge).held.load(Relaxed) as usize);
         add(&st.misses, 1);
         let awaiting = a.awaiting.take();
         let size = aligned(req.bytes).unwrap_or(req.bytes);
@@ -1229,6 +1330,11 @@ impl CacheState {
                 a.free_cached(st, spare.held.into_block());
             }
             retired += usize::from(a.drop_plan(st));
+            if let Some((old, _)) = a.given_up.take() {
+                a.free_cached(st, old);
+            }
+            // A cold start: what the cache held before does not let it keep more.
+            a.high = 0;
             a.awaiting = None;
         }
         self.live += retired;
@@ -1259,7 +1365,8 @@ impl CacheState {
         escaped: bool,
     ) -> bool {
         self.live -= 1;
-        let keep = solo && escaped && generation == self.generation && self.config.key.is_planned();
+        let current = generation == self.generation && self.config.key.is_planned();
+        let keep = solo && escaped && current;
         match self.arenas.index(held.device()) {
             Some(i) if keep => {
                 let a = &mut self.arenas.devices[i];
@@ -1268,6 +1375,14 @@ impl CacheState {
                 a.spares.push(Spare { held, step });
                 self.evict_spares(st, self.config.max_cached_bytes);
                 false
+            }
+            // A plan's block retired under its arrays, now unused, that can grow and no
+            // stream uses: kept for the next plan's block.
+            Some(i) if !solo && current && held.is_idle() && held.block().is_growable() => {
+                let a = &mut self.arenas.devices[i];
+                let block = held.into_block();
+                cached(st, a.gauge, block.bytes());
+                a.give_up(st, block, true)
             }
             _ => {
                 self.free_arena_block(st, held.into_block());
@@ -1519,7 +1634,15 @@ impl CacheCell {
                 }
                 Take::Hit(view, self.home(slot, step))
             }
-            Planned::Alloc { capacity, view } => Take::Miss { capacity, view },
+            Planned::Alloc {
+                capacity,
+                view,
+                make,
+            } => Take::Miss {
+                capacity,
+                view,
+                make,
+            },
             Planned::Bypass => Take::Bypass,
             Planned::Failed(e) => Take::Failed(e),
         }

@@ -125,14 +125,31 @@ unsafe impl Sync for Home {}
 pub(crate) enum Take {
     /// A recycled buffer, now busy.
     Hit(Block, Home),
-    /// None free: allocate a buffer of `capacity` bytes and [`CacheCell::adopt`] it. With
-    /// `view`, the buffer is an arena block that reaches the array as a view, zeroed (when the
-    /// array asks) as recycled memory is, not as a whole.
-    Miss { capacity: usize, view: bool },
+    /// None free: allocate a buffer of `capacity` bytes as `make` says and
+    /// [`CacheCell::adopt`] it. With `view`, the buffer is an arena block that reaches the
+    /// array as a view, zeroed (when the array asks) as recycled memory is, not as a whole.
+    Miss {
+        capacity: usize,
+        view: bool,
+        make: Make,
+    },
     /// The cache cannot take more keys (2^32 of them) or devices: allocate without it.
     Bypass,
     /// Preparing a recycled buffer failed.
     Failed(crate::Error),
+}
+
+/// How the device allocation after a [`Take::Miss`] is made.
+pub(crate) enum Make {
+    /// A buffer of its own.
+    Plain,
+    /// A planned cache's block: growable in place where the backend can
+    /// ([`Block::alloc_growable`]).
+    Growable,
+    /// A planned cache's block, grown in place from this one (the block the plan last gave up
+    /// for a larger one, handed over with it: no longer counted by the cache) when its backend
+    /// can; else that block is freed and a new one made as for [`Make::Growable`].
+    Grow(Block),
 }
 
 /// A buffer a cache hands out.
@@ -525,6 +542,7 @@ impl CacheCell {
                 None => Take::Miss {
                     capacity: state.config.key.capacity(req.bytes),
                     view: false,
+                    make: Make::Plain,
                 },
             },
         }

@@ -115,6 +115,18 @@ pub(in crate::cache) struct DeviceArena {
     /// recently used first to go.
     pub(super) shelf: Vec<Shelved>,
     pub(super) spares: Vec<Spare>,
+    /// The plan's block, given up while no array used it and no stream's work on it was
+    /// pending (the step left its plan, or outgrew it, or a larger plan was made or switched
+    /// in), when its backend can grow it in place, with the step it was given up in: the next
+    /// plan's block is this one, as it is when it holds the plan, else grown (mapping only the
+    /// new bytes) rather than allocated anew. Freed before another device allocation of the
+    /// cache that would take it past [`DeviceArena::high`], or once a whole step passed with
+    /// no plan block made. Counted as cached.
+    pub(super) given_up: Option<(Block, u32)>,
+    /// The most bytes the cache has held on the device at once (since it last gave everything
+    /// back): a block given up is kept through other allocations only while the cache stays
+    /// within it.
+    pub(super) high: usize,
     pub(super) awaiting: Option<Awaiting>,
 }
 
@@ -138,8 +150,10 @@ impl Arenas {
 
     /// Whether no device has a plan or a spare (retired blocks aside).
     pub(super) fn is_empty(&self) -> bool {
-        self.devices
-            .iter()
-            .all(|a| a.plan.as_ref().is_none_or(|p| p.block.is_none()) && a.spares.is_empty())
+        self.devices.iter().all(|a| {
+            a.plan.as_ref().is_none_or(|p| p.block.is_none())
+                && a.spares.is_empty()
+                && a.given_up.is_none()
+        })
     }
 }

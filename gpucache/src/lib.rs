@@ -196,6 +196,11 @@
 //!   of keys and values that grows a token a step reuses them), then given back.
 //! * The first step allocates from the device, and so does a step that outgrows its plan (its
 //!   scaled plan's block, and the arrays served apart); a step that follows its plan does not.
+//!   On CUDA a plan's block of 32 MiB or more is mapped through the driver's virtual memory
+//!   management, so a larger plan's block is the old one *grown in place* (only the new bytes
+//!   are mapped; the old block is not freed) when no array uses it: the block a plan gives up
+//!   is kept for the next plan's block, and freed first if the cache would otherwise hold more
+//!   than it ever has. Freeing such a block waits for the device to finish with it.
 //!   [`Reuse`] does not apply.
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held

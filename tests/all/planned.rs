@@ -858,3 +858,35 @@ fn a_growth_the_device_refuses_frees_the_old_block_and_makes_a_new_one() {
     gpucache::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every byte went back");
 }
+
+/// One step of ten 1 KiB arrays, each dropped before the next is made, the eighth `big` bytes.
+fn one_at_a_time(name: &str, big: usize) {
+    let _scope = gpucache::enter(name);
+    for i in 0..10u8 {
+        let bytes = if i == 7 { big } else { 1024 };
+        let a = filled(DEV, i, [bytes]);
+        assert!(common::all_eq(&a, i));
+    }
+}
+
+#[test]
+fn a_block_given_up_never_raises_the_peak() {
+    let _serial = serial();
+    let name = "planned-given-up-peak";
+    let (backend, _installed) = planned(name, None);
+    backend.set_growable(true);
+    one_at_a_time(name, 1024);
+    one_at_a_time(name, 1024);
+    assert_eq!(backend.outstanding_bytes(), 1024, "the plan's block");
+    backend.reset_peak();
+    // Past the step's middle an array outgrows the plan while no array uses its block: the
+    // block is given up, and the rest of the step is served apart. The big array's block would
+    // take the cache past the most it has held: the block given up goes back first.
+    let big = 64 << 10;
+    one_at_a_time(name, big);
+    assert_eq!(backend.peak_bytes(), big, "the big array alone");
+    one_at_a_time(name, big);
+    one_at_a_time(name, big);
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0);
+}

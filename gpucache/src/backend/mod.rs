@@ -7,9 +7,9 @@
 //! Backends: [`cpu`] (64-byte aligned host memory, always built), `cuda` (feature `cuda`: device
 //! memory through cudarc, stream-ordered; a planned cache's large blocks through CUDA's virtual
 //! memory management, growable in place) and the counting, fault-injecting backend of
-//! [`crate::testing`] (which can grow blocks in place too, for tests). Each device resolves to one backend per thread: for `Device::Cpu` the CPU
-//! backend unless a test installed another on this thread, for `Device::Cuda(n)` the CUDA
-//! backend.
+//! [`crate::testing`] (which can grow blocks in place too, for tests). Each device resolves to
+//! one backend per thread: for `Device::Cpu` the CPU backend unless a test installed another on
+//! this thread, for `Device::Cuda(n)` the CUDA backend.
 
 pub(crate) mod cpu;
 

@@ -283,7 +283,11 @@ impl Backend for CudaBackend {
             return self.alloc(device, bytes, false);
         };
         state.ctx.bind_to_thread().map_err(alloc_error)?;
-        let mapping = retry_out_of_memory(state, || vmm.map(bytes))?;
+        let Ok(mapping) = retry_out_of_memory(state, || vmm.map(bytes)) else {
+            // Not mapped this way (the device's memory, or the addresses, spent): from the pool,
+            // as any other block, which reports what it cannot give.
+            return self.alloc(device, bytes, false);
+        };
         let (base, mapped) = (mapping.base(), mapping.mapped());
         let stream = thread_stream(n, state);
         // SAFETY: `[base, base + mapped)` is mapped, readable and writable by the device, and
@@ -314,8 +318,13 @@ impl Backend for CudaBackend {
             .and_then(device_state)
             .map_err(AllocError::Other)?;
         state.ctx.bind_to_thread().map_err(alloc_error)?;
-        if !retry_out_of_memory(state, || mapping.grow(bytes))? {
-            return Ok(false);
+        match retry_out_of_memory(state, || mapping.grow(bytes)) {
+            Ok(true) => {}
+            // No room in the reservation: the caller makes a new block.
+            Ok(false) => return Ok(false),
+            Err(e @ AllocError::OutOfMemory) => return Err(e),
+            // Any other refusal: not grown; a new block reports what the driver says.
+            Err(AllocError::Other(_)) => return Ok(false),
         }
         let mapped = mapping.mapped();
         if mapped == before {

@@ -103,6 +103,58 @@ fn planned_allocations_drops_and_blocks_are_recorded() {
 }
 
 #[test]
+fn a_plan_block_grown_in_place_is_recorded_as_given_back_and_made_again() {
+    let _serial = serial();
+    let name = "trace-grown";
+    configure(name, |c| c.key = gpucache::KeyPolicy::Planned);
+    let backend = CountingBackend::new();
+    backend.set_growable(true);
+    let _installed = use_backend(&backend);
+    // Two arrays of `n` floats, one after the other: a plan of one position's bytes.
+    let step = |n: usize| {
+        let _scope = enter(name);
+        drop(Array::<f32>::zeros(Device::Cpu, n).unwrap());
+        drop(Array::<f32>::zeros(Device::Cpu, n).unwrap());
+    };
+    step(256);
+    step(256);
+    let t = record(|| step(512));
+    assert_eq!(backend.grows(), 1, "{backend:?}");
+    let events = of(&t, name);
+    let blocks: Vec<(EventKind, usize, Option<u64>)> = events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::DeviceFree | EventKind::PlanBlock))
+        .map(|e| (e.kind, e.bytes, e.buffer))
+        .collect();
+    let at = blocks.first().and_then(|b| b.2);
+    assert!(at.is_some());
+    // The old block given back, the same block made again larger (scaled by 2, a sixty-fourth
+    // more, rounded up to 256), at the same address.
+    assert_eq!(
+        blocks,
+        [
+            (EventKind::DeviceFree, 1024, at),
+            (EventKind::PlanBlock, 2304, at)
+        ]
+    );
+    let s = stats(name);
+    assert_eq!(
+        events.last().unwrap().bytes_after,
+        Some((s.bytes_in_use, s.bytes_cached)),
+        "the recorded bytes end at the stats"
+    );
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 2304));
+    assert_eq!(backend.outstanding_bytes(), 2304);
+    // So the trace replays: every allocation ends.
+    let ops = replay::from_trace(&t, None);
+    let allocs = ops.iter().filter(|o| matches!(o, Op::Alloc { .. })).count();
+    let frees = ops.iter().filter(|o| matches!(o, Op::Free { .. })).count();
+    assert_eq!((allocs, frees), (2, 2));
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
 fn a_planned_array_dropped_on_another_thread_is_recorded_as_returned() {
     let _serial = serial();
     let name = "trace-arena-returned";

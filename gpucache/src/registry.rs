@@ -649,9 +649,7 @@ mod tests {
 
     #[test]
     fn flush_requests_behind_a_long_scope_stay_few() {
-        let _serial = crate::sync::GLOBAL_TESTS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _serial = crate::sync::global_tests();
         let (cell_tx, cell_rx) = channel();
         let (done_tx, done_rx) = channel::<()>();
         let owner = std::thread::spawn(move || {

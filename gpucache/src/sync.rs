@@ -127,4 +127,12 @@ pub(crate) fn model(name: &str, f: impl Fn() + Sync + Send + 'static) {
 /// that count what one cache keeps across its steps (`tests`), which the former would empty
 /// under them: the unit tests run on several threads at once.
 #[cfg(test)]
-pub(crate) static GLOBAL_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static GLOBAL_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds [`GLOBAL_TESTS`] (whatever a failed test left in it) for the caller's test.
+#[cfg(test)]
+pub(crate) fn global_tests() -> std::sync::MutexGuard<'static, ()> {
+    GLOBAL_TESTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -187,8 +187,10 @@ impl CountingBackend {
 }
 
 impl CountingBackend {
-    /// [`CountingBackend::reserve`], or a counted failure.
-    fn reserve_or_fail(&self, attempt: u64, bytes: usize) -> Result<usize, AllocError> {
+    /// An allocation attempt of `bytes`, counted: [`CountingBackend::reserve`], or a counted
+    /// failure.
+    fn attempt(&self, bytes: usize) -> Result<usize, AllocError> {
+        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
         self.reserve(attempt, bytes).ok_or_else(|| {
             self.failures.fetch_add(1, SeqCst);
             AllocError::OutOfMemory
@@ -227,8 +229,7 @@ impl fmt::Debug for CountingBackend {
 
 impl Backend for CountingBackend {
     fn alloc(&self, device: Device, bytes: usize, zeroed: bool) -> Result<Storage, AllocError> {
-        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
-        let outstanding = self.reserve_or_fail(attempt, bytes)?;
+        let outstanding = self.attempt(bytes)?;
         // The bytes are reserved (see `reserve`): given back if the host fails.
         let storage = self.host.alloc(device, bytes, zeroed).inspect_err(|_| {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
@@ -241,8 +242,7 @@ impl Backend for CountingBackend {
         if !self.growable.load(SeqCst) || !cfg!(unix) || bytes > GROWABLE_RESERVE {
             return self.alloc(device, bytes, false);
         }
-        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
-        let outstanding = self.reserve_or_fail(attempt, bytes)?;
+        let outstanding = self.attempt(bytes)?;
         let Some(buf) = cpu::map_growable(GROWABLE_RESERVE, bytes) else {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
             return Err(AllocError::OutOfMemory);
@@ -267,8 +267,7 @@ impl Backend for CountingBackend {
         let Some(more) = bytes.checked_sub(buf.bytes()).filter(|&m| m > 0) else {
             return Ok(true);
         };
-        let attempt = self.attempts.fetch_add(1, SeqCst) + 1;
-        let outstanding = self.reserve_or_fail(attempt, more)?;
+        let outstanding = self.attempt(more)?;
         // SAFETY: a growable buffer (checked above), of a reserve of `GROWABLE_RESERVE >= bytes`.
         unsafe { buf.set_view_len(bytes) };
         self.counted(outstanding, false);
@@ -289,7 +288,7 @@ impl Backend for CountingBackend {
 
     fn free(&self, device: Device, storage: Storage) {
         let bytes = storage.bytes();
-        let storage = match storage.into_host() {
+        match storage.into_host() {
             Ok(buf) if self.forget_growable(&buf) => {
                 // SAFETY: made by `map_growable` with this reserve (it was in `growable_bufs`), and
                 // being freed: nothing uses it any more.
@@ -297,14 +296,10 @@ impl Backend for CountingBackend {
                 unsafe {
                     cpu::unmap_growable(buf, GROWABLE_RESERVE)
                 };
-                self.frees.fetch_add(1, SeqCst);
-                self.outstanding_bytes.fetch_sub(bytes, SeqCst);
-                return;
             }
-            Ok(buf) => Storage::Host(buf),
-            Err(storage) => storage,
-        };
-        self.host.free(device, storage);
+            Ok(buf) => self.host.free(device, Storage::Host(buf)),
+            Err(storage) => self.host.free(device, storage),
+        }
         self.frees.fetch_add(1, SeqCst);
         self.outstanding_bytes.fetch_sub(bytes, SeqCst);
     }

@@ -6,14 +6,6 @@ use std::sync::Arc;
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
 use crate::{Array, CacheConfig, Device, KeyPolicy};
 
-/// Keeps the unit tests that give back every cache's memory from emptying these tests' caches
-/// under them.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    crate::sync::GLOBAL_TESTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// A counting backend for this thread's CPU allocations and cache `name` planned (the
 /// default, stated), with the lock of [`serial`]: hold all three through the test.
 fn planned(
@@ -23,7 +15,8 @@ fn planned(
     BackendGuard,
     std::sync::MutexGuard<'static, ()>,
 ) {
-    let serial = serial();
+    // Keeps the unit tests that give back every cache's memory from emptying this cache.
+    let serial = crate::sync::global_tests();
     let backend = CountingBackend::new();
     let installed = use_backend(&backend);
     crate::configure(

@@ -553,6 +553,13 @@ fn uncount_block(st: &Counters, g: GaugeIx, trace: &CellName, block: &Block) {
     }
 }
 
+/// Whether a plan's block that no array uses may be kept for the next plan's block
+/// ([`DeviceArena::given_up`]): it can grow, no stream's work on it is pending, and the thread
+/// captures no step graph.
+fn may_keep(block: &Block) -> bool {
+    block.is_idle() && block.is_growable() && !capturing()
+}
+
 /// Whether this thread captures a step graph (no block may be made or freed meanwhile).
 fn capturing() -> bool {
     #[cfg(feature = "cuda")]
@@ -605,8 +612,8 @@ impl DeviceArena {
     /// cache's peak. While the thread captures a step graph (which refuses the allocation) it
     /// stays.
     fn alloc(&mut self, st: &Counters, capacity: usize, plan: bool) -> Planned {
-        let held = st.gauge(self.gauge).held.load(Relaxed) as usize;
-        self.high = self.high.max(held);
+        let held = self.note_held(st);
+        let new = if plan { Make::Growable } else { Make::Plain };
         let make = match self.given_up.take() {
             Some((old, _)) if plan && !capturing() => {
                 // Handed over: counted as freed until adopted at its new size.
@@ -617,20 +624,26 @@ impl DeviceArena {
             // Kept while the cache then holds no more than it ever did.
             Some(kept) if capturing() || held.saturating_add(capacity) <= self.high => {
                 self.given_up = Some(kept);
-                if plan { Make::Growable } else { Make::Plain }
+                new
             }
-            old => {
-                if let Some((old, _)) = old {
-                    self.free_cached(st, old);
-                }
-                if plan { Make::Growable } else { Make::Plain }
+            Some((old, _)) => {
+                self.free_cached(st, old);
+                new
             }
+            None => new,
         };
         Planned::Alloc {
             capacity,
             view: true,
             make,
         }
+    }
+
+    /// The bytes the cache holds on the device now, taken into [`DeviceArena::high`].
+    fn note_held(&mut self, st: &Counters) -> usize {
+        let held = st.gauge(self.gauge).held.load(Relaxed) as usize;
+        self.high = self.high.max(held);
+        held
     }
 
     /// Gives `block`, counted as cached, back to the device.
@@ -775,7 +788,7 @@ impl DeviceArena {
     /// no stream's work on it is pending; else freed, or while another stream may still use
     /// it, kept as a spare (not reused) until that work is done. Returns whether it was freed.
     fn give_up(&mut self, st: &Counters, block: Block, keep: bool) -> bool {
-        if keep && block.is_idle() && block.is_growable() && !capturing() {
+        if keep && may_keep(&block) {
             let step = self.step;
             if let Some((old, _)) = self.given_up.replace((block, step)) {
                 self.free_cached(st, old);
@@ -1284,7 +1297,7 @@ impl CacheState {
         let generation = self.generation;
         let a = &mut self.arenas.devices[i];
         st.allocated(a.gauge, block.bytes());
-        a.high = a.high.max(st.gauge(a.gauge).held.load(Relaxed) as usize);
+        a.note_held(st);
         add(&st.misses, 1);
         let awaiting = a.awaiting.take();
         let size = aligned(req.bytes).unwrap_or(req.bytes);
@@ -1378,7 +1391,7 @@ impl CacheState {
             }
             // A plan's block retired under its arrays, now unused, that can grow and no
             // stream uses: kept for the next plan's block.
-            Some(i) if !solo && current && held.is_idle() && held.block().is_growable() => {
+            Some(i) if !solo && current && may_keep(held.block()) => {
                 let a = &mut self.arenas.devices[i];
                 let block = held.into_block();
                 cached(st, a.gauge, block.bytes());

@@ -520,9 +520,90 @@ fn arrays_that_outlive_their_step_are_served_apart_and_never_overwritten() {
         "each escaped array has bytes of its own"
     );
     drop(kept);
-    // Dropped after their steps: spares for one more step, then given back.
+    // Dropped after their steps: spares, kept until `empty_cache`.
     escaping(name, 0);
     escaping(name, 0);
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+/// One request of a server in scope `name`: a prompt step whose keys and values (`len` bytes,
+/// filled with `value`) outlive it, `decode` decoding steps that read them, and their drop after
+/// the last one. Returns the device allocations the request made.
+fn request(backend: &CountingBackend, name: &str, value: u8, len: usize, decode: usize) -> u64 {
+    let before = backend.allocs();
+    let kv = {
+        let _scope = gpucache::enter(name);
+        let scratch = filled(DEV, 9u8, 2048);
+        assert!(common::all_eq(&scratch, 9));
+        drop(scratch);
+        filled(DEV, value, len)
+    };
+    for _ in 0..decode {
+        let _scope = gpucache::enter(name);
+        let logits = filled(DEV, 1u8, 512);
+        assert!(common::all_eq(&kv, value) && common::all_eq(&logits, 1));
+    }
+    drop(kv);
+    backend.allocs() - before
+}
+
+#[test]
+fn a_requests_block_serves_the_next_request_however_many_steps_later() {
+    let _serial = serial();
+    let name = "planned-server";
+    let (backend, _installed) = planned(name, None);
+    // Requests of fewer and more decoding steps, their keys and values of other sizes: from the
+    // third request on, each takes the block of the one before (kept as a spare through every
+    // decoding step between), the smaller ones too, since a new block would take the cache past
+    // the most it held; so nothing is allocated and the peak stays.
+    let mut allocs = Vec::new();
+    let mut peaks = Vec::new();
+    for (r, (len, decode)) in [(4096, 3), (4000, 9), (2600, 14), (3900, 6), (2100, 20)]
+        .into_iter()
+        .enumerate()
+    {
+        allocs.push(request(&backend, name, r as u8, len, decode));
+        peaks.push(backend.peak_bytes());
+    }
+    assert_eq!(&allocs[2..], &[0, 0, 0], "device allocations per request");
+    assert_eq!(
+        peaks[4], peaks[1],
+        "peak bytes after each request: {peaks:?}"
+    );
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
+fn a_spare_goes_back_before_an_allocation_that_would_take_the_cache_past_its_peak() {
+    let _serial = serial();
+    let name = "planned-spare-peak";
+    let (backend, _installed) = planned(name, None);
+    for r in 0..3 {
+        request(&backend, name, r, 4096, 4);
+    }
+    // A spare of 4096 bytes is kept through steps that hold no more than before...
+    let (frees, held) = (backend.frees(), backend.outstanding_bytes());
+    for _ in 0..10 {
+        let _scope = gpucache::enter(name);
+        assert!(common::all_eq(&filled(DEV, 1u8, 512), 1));
+    }
+    assert_eq!(
+        (backend.frees(), backend.outstanding_bytes()),
+        (frees, held)
+    );
+    // ...and goes back before a block that would take the cache past its peak is allocated (an
+    // array past the plan's end, served apart while the plan's block serves the rest).
+    let big = (16 * backend.peak_bytes()).next_power_of_two();
+    let _scope = gpucache::enter(name);
+    let logits = filled(DEV, 1u8, 512);
+    let a = filled(DEV, 3u8, big);
+    assert!(common::all_eq(&a, 3) && common::all_eq(&logits, 1));
+    assert_eq!(backend.frees(), frees + 1, "the spare went back");
+    assert_eq!(backend.outstanding_bytes(), held - 4096 + big);
+    assert_eq!(backend.peak_bytes(), held - 4096 + big);
+    drop((a, logits, _scope));
     gpucache::empty_cache();
     assert_eq!(backend.outstanding_bytes(), 0);
 }

@@ -55,9 +55,13 @@
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
 //! class. When such a block's array drops in a later step than it was made in, the block is kept
-//! as a *spare*, for the next solo array it fits (at most a quarter larger), through the end of the
-//! next step; then it goes back to the device. A solo block whose array dropped within its step
-//! goes back at once: the next plan holds its bytes. A solo block's view spans the whole block,
+//! as a *spare*, for the next solo array it fits (at most a quarter larger; at most twice as large
+//! when a new block would take the cache past the most it has held). Spares stay until a device
+//! allocation of the cache would take it past that mark ([`DeviceArena::high`]): then they go back
+//! to the device first (the smallest that makes room alone, else the oldest, and again), so that
+//! keeping them never raises the cache's peak, and a server's next request finds its predecessor's
+//! keys and values however many steps later it comes. A solo block whose array dropped within its
+//! step goes back at once: the next plan holds its bytes. A solo block's view spans the whole block,
 //! and a spare whose array dropped on the owner thread, used on no other stream, keeps that view
 //! ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a decoder's
 //! cache of keys and values, replaced every step, makes no view at all once its spares go round
@@ -122,9 +126,9 @@
 //! counts as the old size freed and the new one allocated. A step longer than every one before
 //! it then costs the growth, not a new block of the whole footprint and the old one's free.
 //! The block given up is freed before any other device allocation of the cache that would take
-//! it past the most it has held ([`DeviceArena::high`]), and at the end of a step after the one
-//! it was given up in, so that keeping it never raises the cache's peak; `invalidate`,
-//! `empty_cache` and out-of-memory recovery free it with the rest.
+//! it past the most it has held ([`DeviceArena::high`]; after the spares), and at the end of a
+//! step after the one it was given up in, so that keeping it never raises the cache's peak;
+//! `invalidate`, `empty_cache` and out-of-memory recovery free it with the rest.
 //!
 //! # Stream order
 //!
@@ -163,7 +167,7 @@ use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
 };
-use device::{Awaiting, DeviceArena, Held, Plan, Shelved, Spare};
+use device::{Awaiting, DeviceArena, Held, Plan, Shelved};
 use gaps::Gaps;
 use layout::{Layout, NONE, OPEN, Rec, Serve};
 
@@ -607,30 +611,34 @@ impl DeviceArena {
 
     /// A new block of `capacity` bytes for the cache, the plan's block (`plan`) or a solo one.
     /// The plan's block grows the block the plan last gave up ([`DeviceArena::given_up`]), if
-    /// any; any other allocation frees that block first unless the cache would then hold no
-    /// more than its most so far ([`DeviceArena::high`]), so that keeping it never raises the
-    /// cache's peak. While the thread captures a step graph (which refuses the allocation) it
-    /// stays.
+    /// any. Before any device allocation that would take the cache past the most it has held
+    /// ([`DeviceArena::high`]), what it keeps for later goes back to the device, the spares
+    /// first ([`DeviceArena::free_spares_for`]) and the block given up last, so that keeping
+    /// them never raises the cache's peak. While the thread captures a step graph (which
+    /// refuses the allocation) they stay.
     fn alloc(&mut self, st: &Counters, capacity: usize, plan: bool) -> Planned {
-        let held = self.note_held(st);
-        let new = if plan { Make::Growable } else { Make::Plain };
-        let make = match self.given_up.take() {
-            Some((old, _)) if plan && !capturing() => {
+        self.note_held(st);
+        let capturing = capturing();
+        let grown = self
+            .given_up
+            .take_if(|_| plan && !capturing)
+            .map(|(old, _)| {
                 // Handed over: counted as freed until adopted at its new size.
                 uncached(st, self.gauge, old.bytes());
                 uncount_block(st, self.gauge, &self.trace, &old);
-                Make::Grow(old)
-            }
-            // Kept while the cache then holds no more than it ever did.
-            Some(kept) if capturing() || held.saturating_add(capacity) <= self.high => {
-                self.given_up = Some(kept);
-                new
-            }
-            Some((old, _)) => {
+                old
+            });
+        if !capturing {
+            self.free_spares_for(st, capacity);
+            let pass = self.would_pass_high(st, capacity);
+            if let Some((old, _)) = self.given_up.take_if(|_| pass) {
                 self.free_cached(st, old);
-                new
             }
-            None => new,
+        }
+        let make = match grown {
+            Some(old) => Make::Grow(old),
+            None if plan => Make::Growable,
+            None => Make::Plain,
         };
         Planned::Alloc {
             capacity,
@@ -639,11 +647,14 @@ impl DeviceArena {
         }
     }
 
-    /// The bytes the cache holds on the device now, taken into [`DeviceArena::high`].
-    fn note_held(&mut self, st: &Counters) -> usize {
-        let held = st.gauge(self.gauge).held.load(Relaxed) as usize;
-        self.high = self.high.max(held);
-        held
+    /// The bytes the cache holds on the device now.
+    fn held(&self, st: &Counters) -> usize {
+        st.gauge(self.gauge).held.load(Relaxed) as usize
+    }
+
+    /// Takes the bytes the cache holds on the device now into [`DeviceArena::high`].
+    fn note_held(&mut self, st: &Counters) {
+        self.high = self.high.max(self.held(st));
     }
 
     /// Gives `block`, counted as cached, back to the device.
@@ -652,20 +663,60 @@ impl DeviceArena {
         free_block(st, self.gauge, &self.trace, block);
     }
 
-    /// A spare of at least `size` bytes and at most a quarter more (or `size`'s size class, which
-    /// the blocks of arrays planned apart are rounded to), idle, the smallest such.
-    fn take_spare(&mut self, st: &Counters, size: usize) -> Option<Held> {
-        let most = size.saturating_add(size / 4).max(size_class_within(size));
+    /// A spare of at least `size` bytes, idle, the smallest such: at most a quarter larger (or
+    /// `size`'s size class, which the blocks of arrays planned apart are rounded to), unless a
+    /// new block of `capacity` bytes would take the cache past the most it has held: then at
+    /// most twice as large, which serves the array with no more bytes held than now (a larger
+    /// one would keep too many of its bytes from a later, larger array).
+    fn take_spare(&mut self, st: &Counters, size: usize, capacity: usize) -> Option<Held> {
+        let most = if self.would_pass_high(st, capacity) {
+            size.saturating_mul(2)
+        } else {
+            size.saturating_add(size / 4).max(size_class_within(size))
+        };
         let i = self
             .spares
             .iter()
             .enumerate()
-            .filter(|(_, s)| (size..=most).contains(&s.held.bytes()) && s.held.is_idle())
-            .min_by_key(|(_, s)| s.held.bytes())?
+            .filter(|(_, s)| (size..=most).contains(&s.bytes()) && s.is_idle())
+            .min_by_key(|(_, s)| s.bytes())?
             .0;
-        let held = self.spares.swap_remove(i).held;
+        // In order: the oldest stay first.
+        let held = self.spares.remove(i);
         uncached(st, self.gauge, held.bytes());
         Some(held)
+    }
+
+    /// Whether a new block of `capacity` bytes would take the cache past the most it has held
+    /// on the device ([`DeviceArena::high`]).
+    fn would_pass_high(&self, st: &Counters, capacity: usize) -> bool {
+        self.excess(st, capacity) > 0
+    }
+
+    /// The bytes by which a new block of `capacity` bytes would take the cache past the most it
+    /// has held on the device.
+    fn excess(&self, st: &Counters, capacity: usize) -> usize {
+        self.held(st)
+            .saturating_add(capacity)
+            .saturating_sub(self.high)
+    }
+
+    /// Frees spares while a new block of `capacity` bytes would take the cache past the most it
+    /// has held, so that keeping them never raises its peak: the smallest spare that makes room
+    /// alone, else the oldest, and again.
+    fn free_spares_for(&mut self, st: &Counters, capacity: usize) {
+        loop {
+            let excess = self.excess(st, capacity);
+            if excess == 0 || self.spares.is_empty() {
+                return;
+            }
+            let i = (0..self.spares.len())
+                .filter(|&i| self.spares[i].bytes() >= excess)
+                .min_by_key(|&i| self.spares[i].bytes())
+                .unwrap_or(0);
+            let spare = self.spares.remove(i);
+            self.free_cached(st, spare.into_block());
+        }
     }
 
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
@@ -798,13 +849,9 @@ impl DeviceArena {
             self.free_cached(st, block);
             true
         } else {
-            // Another stream may still use it: kept (and not reused) until that work is done,
-            // then given back with the spares.
-            let step = self.step;
-            self.spares.push(Spare {
-                held: Held::Bare(block),
-                step,
-            });
+            // Another stream may still use it: kept with the spares (not reused until that work
+            // is done).
+            self.spares.push(Held::Bare(block));
             false
         }
     }
@@ -925,15 +972,6 @@ impl DeviceArena {
         self.step = step.wrapping_add(1);
         if let Some((old, _)) = self.given_up.take_if(|(_, given_up)| *given_up != step) {
             self.free_cached(st, old);
-        }
-        let mut i = 0;
-        while i < self.spares.len() {
-            if self.spares[i].step != step {
-                let spare = self.spares.swap_remove(i);
-                self.free_cached(st, spare.held.into_block());
-            } else {
-                i += 1;
-            }
         }
         retired
     }
@@ -1070,7 +1108,7 @@ impl CacheState {
         }
         let a = &mut self.arenas.devices[i];
         let pos = rec.min(NO_POSITION);
-        if let Some(held) = a.take_spare(st, size) {
+        if let Some(held) = a.take_spare(st, size, capacity) {
             add(&st.hits, 1);
             return match held {
                 Held::Viewed { arena, view } if view.on_current_stream() => {
@@ -1340,7 +1378,7 @@ impl CacheState {
                 continue;
             }
             for spare in std::mem::take(&mut a.spares) {
-                a.free_cached(st, spare.held.into_block());
+                a.free_cached(st, spare.into_block());
             }
             retired += usize::from(a.drop_plan(st));
             if let Some((old, _)) = a.given_up.take() {
@@ -1384,8 +1422,7 @@ impl CacheState {
             Some(i) if keep => {
                 let a = &mut self.arenas.devices[i];
                 cached(st, a.gauge, held.bytes());
-                let step = a.step;
-                a.spares.push(Spare { held, step });
+                a.spares.push(held);
                 self.evict_spares(st, self.config.max_cached_bytes);
                 false
             }
@@ -1422,11 +1459,11 @@ impl CacheState {
             .devices
             .iter()
             .flat_map(|a| &a.spares)
-            .map(|s| s.held.bytes())
+            .map(Held::bytes)
             .sum();
         for a in &mut self.arenas.devices {
             while spare > cap && !a.spares.is_empty() {
-                let block = a.spares.remove(0).held.into_block();
+                let block = a.spares.remove(0).into_block();
                 spare -= block.bytes();
                 add(&st.evictions, 1);
                 a.free_cached(st, block);

@@ -52,14 +52,7 @@ pub(in crate::cache) struct Shelved {
     pub(super) used: u32,
 }
 
-/// A solo block no array uses, kept for the next solo array it fits.
-pub(in crate::cache) struct Spare {
-    pub(super) held: Held,
-    /// The step it became a spare in.
-    pub(super) step: u32,
-}
-
-/// How a spare is held.
+/// How a spare (a solo block no array uses, kept for the next solo array it fits) is held.
 pub(in crate::cache) enum Held {
     /// The block alone: it came back from another thread, its array was used on another stream,
     /// or it is a plan's block that another stream may still use.
@@ -114,7 +107,10 @@ pub(in crate::cache) struct DeviceArena {
     /// Plans of other kinds of step (a server's prompt steps and decoding steps), the least
     /// recently used first to go.
     pub(super) shelf: Vec<Shelved>,
-    pub(super) spares: Vec<Spare>,
+    /// Blocks no array uses, kept for solo arrays, the oldest first: freed, oldest first, before
+    /// a device allocation of the cache that would take it past [`DeviceArena::high`]. Counted
+    /// as cached.
+    pub(super) spares: Vec<Held>,
     /// The plan's block, given up while no array used it and no stream's work on it was
     /// pending (the step left its plan, or outgrew it, or a larger plan was made or switched
     /// in), when its backend can grow it in place, with the step it was given up in: the next

@@ -5,7 +5,9 @@
 //! threshold at 0 (cudarc's default) and at `u64::MAX`; on the CPU through the bare host
 //! allocator instead. gpucache's own device allocations go to that pool at threshold 0 (what a
 //! program gets unless it sets the threshold); on CUDA the planned cache is also replayed over
-//! the pool at threshold max, its memory then the pool's reserved high-water mark.
+//! the pool at threshold max, its memory then the device's memory in use above the start
+//! (`cuMemGetInfo`: the pool's reserve, which keeps what gpucache frees, and the plan blocks
+//! gpucache maps outside the pool).
 //!
 //! ```text
 //! cargo run --release --example replay -- tests/fixtures/gpt2_train.csv.gz cpu 7
@@ -15,8 +17,9 @@
 //! For each log it prints, per variant:
 //!
 //! * peak device bytes over the log's **peak live** bytes (the most bytes of its buffers alive
-//!   at once, the lower bound); gpucache: what the backend holds for it; pool: the pool's reserved
-//!   high-water mark; bare: the live buffers' bytes;
+//!   at once, the lower bound); gpucache: what the backend holds for it (over the pool at
+//!   threshold max: the device's memory in use); pool: the pool's reserved high-water mark;
+//!   bare: the live buffers' bytes;
 //! * device allocations in the steps after the second (bare and pool: every allocation);
 //! * host time per step: the mean of the steps after the second (all steps when there are
 //!   fewer than three), per round; the median over the rounds and their [min, max], and the
@@ -225,7 +228,7 @@ fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
             continue;
         }
         let first = &v.replays[0];
-        let peak = if matches!(v.mode, Mode::Pool { .. } | Mode::ConfiguredOverPool { .. }) {
+        let peak = if matches!(v.mode, Mode::Pool { .. }) {
             v.replays.iter().map(|r| r.peak_bytes).max().unwrap_or(0)
         } else {
             first.peak_bytes

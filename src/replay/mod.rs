@@ -242,8 +242,10 @@ pub enum Mode {
     /// memory freed is unmapped at each step's synchronisation.
     Configured(CacheConfig),
     /// CUDA only: as `Configured`, over the default pool with its release threshold at
-    /// `threshold` bytes (trimmed first); the peak is the pool's reserved high-water mark (what
-    /// the pool keeps of gpucache's freed blocks is held too).
+    /// `threshold` bytes (trimmed first); the peak is the device memory in use above the
+    /// replay's start (`cuMemGetInfo`, read after every allocation): what the pool keeps of
+    /// gpucache's freed blocks is held too, and so are the plan blocks gpucache maps outside
+    /// the pool (CUDA's virtual memory management), which the pool's own counters leave out.
     ConfiguredOverPool {
         /// The caches' configuration.
         config: CacheConfig,
@@ -335,6 +337,14 @@ mod pool {
             result::mem_pool::set_attribute(pool, attr, (&raw mut zero).cast())?;
         }
         Ok(())
+    }
+
+    /// The device's memory in use, in bytes (all of it: the pool's reserve and memory mapped
+    /// outside the pool).
+    pub fn used(dev: Device) -> Result<usize> {
+        get(dev)?;
+        let (free, total) = result::mem_get_info()?;
+        Ok(total - free)
     }
 
     /// The reserved high-water mark since the last [`reset`].
@@ -576,6 +586,21 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
     let mut scopes: Vec<ScopeGuard> = Vec::new();
     let mut depth = 0usize;
     let before = gpucache::device_stats(dev)?;
+    // What gpucache holds above the start: its backend's bytes, or over a pool, the device's
+    // memory in use (the pool's reserve and the blocks mapped outside it).
+    #[cfg(feature = "cuda")]
+    let over_pool = match mode {
+        Mode::ConfiguredOverPool { .. } if dev.is_cuda() => Some(pool::used(dev)?),
+        _ => None,
+    };
+    let held_now = || -> Result<usize> {
+        #[cfg(feature = "cuda")]
+        if let Some(start) = over_pool {
+            return Ok(pool::used(dev)?.saturating_sub(start));
+        }
+        let held = gpucache::device_stats(dev)?.bytes_allocated;
+        Ok(held.saturating_sub(before.bytes_allocated))
+    };
     let (mut bare_bytes, mut peak, mut bare_allocs) = (0usize, 0usize, 0u64);
     let mut steps = (Vec::new(), Vec::new());
     let (mut step_start, mut step_allocs_before) = (std::time::Instant::now(), 0u64);
@@ -624,8 +649,7 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
                 let array = if cached {
                     let a = Array::<u8>::empty(dev, shape)?;
                     if track == Peak::Tracked {
-                        let held = gpucache::device_stats(dev)?.bytes_allocated;
-                        peak = peak.max(held.saturating_sub(before.bytes_allocated));
+                        peak = peak.max(held_now()?);
                     }
                     Live::Cached(a)
                 } else {
@@ -656,7 +680,7 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
     sync()?;
     let seconds = start.elapsed().as_secs_f64();
     #[cfg(feature = "cuda")]
-    if let Mode::Pool { .. } | Mode::ConfiguredOverPool { .. } = mode {
+    if let Mode::Pool { .. } = mode {
         peak = usize::try_from(pool::peak(dev)?)?;
     }
     Ok(Replay {

@@ -26,7 +26,7 @@
 //! back to the buffer's cache, or to the device.
 
 use crate::backend::{self, AllocError, Backend, Block};
-use crate::cache::{self, CacheCell, Got, Home, Make, Request, Take};
+use crate::cache::{self, CacheCell, Got, HitPath, Home, Make, Request, Take};
 use crate::trace::record::{self, EventKind, Note};
 use crate::{Error, Result, registry, scope};
 #[cfg(feature = "cuda")]
@@ -56,19 +56,20 @@ impl Init {
     }
 }
 
-/// The hit path: a free buffer of `req`'s key in the thread's current cache, if it is a plain
-/// one (not planned, recorded or closed: those are served by [`plan_hit`] and [`alloc_slow`]).
+/// The hit path, from one look at the thread's current cache: a free buffer of `req`'s key if
+/// it is a plain cache, the next position of its plan if it is a planned one and the position
+/// can be served at once ([`CacheCell::plan_hit`]); nothing if it is recorded or closed. What
+/// it cannot serve goes to [`alloc_slow`].
 #[inline(always)]
 pub(crate) fn hit(req: &Request<'_>) -> Option<(Block, Home)> {
-    scope::with_current_for_hit(|c| c.filter(|c| c.is_plain()).and_then(|c| c.hit(req)))
-}
-
-/// The hit path of a planned cache, first thing out of line: the next position of the thread's
-/// current cache's plan, if it is a planned one (not recorded or closed) and the position can
-/// be served at once.
-#[inline(always)]
-pub(crate) fn plan_hit(req: &Request<'_>) -> Option<(Block, Home)> {
-    scope::with_current_for_hit(|c| c.filter(|c| c.is_planned()).and_then(|c| c.plan_hit(req)))
+    scope::with_current_for_hit(|c| {
+        let c = c?;
+        match c.hit_path() {
+            HitPath::FreeList => c.hit(req),
+            HitPath::Plan => c.plan_hit(req),
+            HitPath::None => None,
+        }
+    })
 }
 
 /// The allocation when [`hit`] found nothing (see the module docs for the steps). `None` for

@@ -113,11 +113,6 @@ impl<T: Element> Array<T> {
     #[inline(never)]
     fn alloc_slow(device: Device, shape: Shape, bytes: usize, zero: bool) -> Result<Self> {
         let req = Self::request(&shape, device, bytes);
-        if bytes != 0
-            && let Some((block, home)) = alloc::plan_hit(&req)
-        {
-            return Self::recycled(block, home, shape, device, bytes, zero);
-        }
         match alloc::alloc_slow(&req, zero)? {
             Some(Got::Recycled(block, home)) => {
                 Self::recycled(block, home, shape, device, bytes, zero)

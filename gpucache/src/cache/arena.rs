@@ -71,11 +71,12 @@
 //! # Off the free-list paths
 //!
 //! A planned cache sets the [`ARENA`] flag of its cell, so it is never
-//! [plain](CacheCell::is_plain): the free-list hit, the release of a dropped array on the owner
-//! thread and the scope exit all test that one byte anyway (for closed and traced caches), and
-//! send a planned cache to their slow paths, which serve it here: an allocation in
-//! [`CacheCell::take`], the drop of a view in [`CacheCell::send_view_home`], the end of a step in
-//! [`CacheCell::exit_slow`]. The flag stays set while arrays of a planned cache may be alive
+//! [plain](CacheCell::is_plain): the hit path, the release of a dropped array on the owner
+//! thread and the scope exit all test that one byte anyway (for closed and traced caches). The
+//! hit path sends a cache whose flags are `ARENA` alone to [`CacheCell::plan_hit`] (the next
+//! position of a plan the step follows); everything else goes to the slow paths, which serve a
+//! planned cache here: an allocation in [`CacheCell::take`], the drop of a view in
+//! [`CacheCell::send_view_home`], the end of a step in [`CacheCell::exit_slow`]. The flag stays set while arrays of a planned cache may be alive
 //! (after a change of key policy), so that a view always finds its way back here.
 //!
 //! # Blocks and their arrays

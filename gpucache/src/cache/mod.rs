@@ -85,6 +85,17 @@ const TRACED: u8 = 2;
 /// `arena` module): allocations, drops and exits take the slow paths, which serve arenas.
 const ARENA: u8 = 4;
 
+/// Which hit path may serve a cache ([`CacheCell::hit_path`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HitPath {
+    /// A plain cache: its free lists ([`CacheCell::hit`]).
+    FreeList,
+    /// A planned cache, not recorded or closed: its plan ([`CacheCell::plan_hit`]).
+    Plan,
+    /// Recorded or closed: no hit path, the slow path serves it.
+    None,
+}
+
 /// What an allocation asks for.
 pub(crate) struct Request<'a> {
     pub(crate) dtype: DType,
@@ -497,10 +508,14 @@ impl CacheCell {
         events::emit();
     }
 
-    /// A planned cache, not recorded or closed: [`CacheCell::plan_hit`] may serve it.
-    #[inline]
-    pub(crate) fn is_planned(&self) -> bool {
-        self.flags.load(Relaxed) == ARENA
+    /// Which hit path may serve this cache, from one read of its flags.
+    #[inline(always)]
+    pub(crate) fn hit_path(&self) -> HitPath {
+        match self.flags.load(Relaxed) {
+            0 => HitPath::FreeList,
+            ARENA => HitPath::Plan,
+            _ => HitPath::None,
+        }
     }
 
     /// The hit path: a free buffer for `req`, if the free list of its key has one. Call only

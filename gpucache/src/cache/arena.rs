@@ -153,10 +153,11 @@ pub(super) mod device;
 pub(super) mod gaps;
 pub(super) mod layout;
 
-use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::*;
+
+use hashbrown::HashMap;
 
 use super::counters::{Counters, GaugeIx, add, sub};
 use super::state::{CacheState, ConfigSeq};

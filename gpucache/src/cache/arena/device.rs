@@ -2,8 +2,10 @@
 //! the spares (data only; the `arena` module holds what is done with it). It sits below the
 //! cache state, which holds one [`Arenas`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
+
+use hashbrown::HashMap;
+use smallvec::SmallVec;
 
 use super::block::BlockPtr;
 use super::gaps::Gaps;
@@ -36,13 +38,17 @@ pub(in crate::cache) struct Plan {
     /// by offset, for the arrays the block's gaps (or the next layout's positions) put there.
     /// Several at one offset: the positions of a plan that share an offset at different times
     /// each had one, and a shelved plan switched in again finds them all.
-    pub(super) loose: HashMap<usize, Vec<Block>>,
+    pub(super) loose: HashMap<usize, LooseAt>,
     /// The views in `loose`.
     pub(super) loose_len: usize,
     /// The most views `loose` keeps: the positions of this plan and of the shelved ones, which
     /// share the block (at least 64).
     pub(super) loose_cap: usize,
 }
+
+/// The loose views at one offset: mostly one (no allocation for it), several where positions of
+/// the plans that take turns on the block share the offset.
+pub(super) type LooseAt = SmallVec<[Block; 1]>;
 
 /// A plan of another kind of step than the current plan's, kept (without a block: the current
 /// plan's serves whichever layout is in use) for when such a step comes again.

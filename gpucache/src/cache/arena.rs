@@ -161,7 +161,7 @@ use hashbrown::HashMap;
 
 use super::counters::{Counters, GaugeIx, add, sub};
 use super::state::{CacheState, ConfigSeq};
-use super::{ARENA, CacheCell, Got, Home, Make, Request, Take};
+use super::{ARENA, CacheCell, Got, HitPath, Home, Make, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, size_class_within};
 use crate::trace::record::{self, CellName, EventKind, Note};
@@ -1791,6 +1791,15 @@ impl CacheCell {
         // SAFETY: the block is alive while it is the plan's or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };
+        // The common case first: the owner thread, the cell a planned cache neither recorded
+        // nor closed (its flags `ARENA` alone), so nothing to record.
+        if std::ptr::eq(current, cell) && cell.hit_path() == HitPath::Plan {
+            // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
+            // is the owner thread, inside a scope of the cell.
+            let state = unsafe { cell.locked() };
+            state.drop_view(&cell.stats, arena, &home, view, tainted);
+            return;
+        }
         let noted = record::on().then(|| BufferNote::of(&view));
         // On the owner thread: whether the view's block went back to the device.
         let freed = if std::ptr::eq(current, cell) && !cell.is_closed() {

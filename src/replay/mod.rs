@@ -415,6 +415,79 @@ pub fn steps(ops: &[Op]) -> usize {
     n
 }
 
+/// A longer run of the steps of `ops` (a log derived from a recording, not one): the log as it
+/// is, then `passes` more passes over its steps after the first, each in an order shuffled with
+/// `seed` (the first step makes what only a first step makes, and what it keeps lives to the end
+/// of the log). The steps of a model whose batch or length varies come in any order in a long
+/// run; a short recording shows a few. Buffers are numbered anew. An array a step keeps past its
+/// end is freed by the next free, in a later step, of an array of an earlier step, the oldest
+/// first (a step frees its predecessor's input), so the run holds as many arrays across steps as
+/// the recording. Operations after the last step are dropped.
+pub fn reordered(ops: &[Op], passes: usize, seed: u64) -> Vec<Op> {
+    let mut steps: Vec<&[Op]> = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, op) in ops.iter().enumerate() {
+        match op {
+            Op::Enter(_) => depth += 1,
+            Op::Exit(_) if depth == 1 => {
+                depth = 0;
+                steps.push(&ops[start..=i]);
+                start = i + 1;
+            }
+            Op::Exit(_) => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    let mut order: Vec<usize> = (0..steps.len()).collect();
+    let mut rng = fastrand::Rng::with_seed(seed);
+    for _ in 0..passes {
+        let mut pass: Vec<usize> = (1..steps.len()).collect();
+        rng.shuffle(&mut pass);
+        order.extend(pass);
+    }
+    let mut out = Vec::new();
+    let mut next = 0u64;
+    // Kept past their step: freed by later steps (oldest first), or at the end.
+    let (mut kept, mut to_end) = (std::collections::VecDeque::new(), Vec::new());
+    for &s in &order {
+        // This step's buffers (recorded number -> new number), in the order they were made.
+        let mut own: Vec<(u64, u64)> = Vec::new();
+        for op in steps[s] {
+            match op {
+                Op::Alloc { buffer, .. } => {
+                    own.push((*buffer, next));
+                    let mut op = op.clone();
+                    if let Op::Alloc { buffer, .. } = &mut op {
+                        *buffer = next;
+                    }
+                    out.push(op);
+                    next += 1;
+                }
+                Op::Free { buffer } => {
+                    let freed = match own.iter().position(|&(b, _)| b == *buffer) {
+                        Some(i) => Some(own.remove(i).1),
+                        None => kept.pop_front(),
+                    };
+                    out.extend(freed.map(|buffer| Op::Free { buffer }));
+                }
+                op => out.push(op.clone()),
+            }
+        }
+        let left = own.into_iter().map(|(_, b)| b);
+        if s == 0 {
+            to_end.extend(left);
+        } else {
+            kept.extend(left);
+        }
+    }
+    out.extend(
+        kept.into_iter()
+            .chain(to_end)
+            .map(|buffer| Op::Free { buffer }),
+    );
+    out
+}
+
 /// The memory figures of one replay of `ops` on `dev` in `mode`, from cold caches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Memory {

@@ -38,7 +38,9 @@
 //! One scope may run steps of several kinds: a server's prompt steps and decoding steps. A step
 //! is of its plan's kind when it made as many allocations, or its first allocation is within a
 //! factor of two of the recorded step's first; a step of another kind is planned apart from it,
-//! and the old plan goes on a *shelf* (three at most, the least recently used going first). The
+//! and the old plan goes on a *shelf* (three at most, the least recently used going first, but
+//! never the one of the largest footprint: a step larger than every shelved kind's first
+//! allocation is served by it, where a smaller plan would leave it to the gaps). The
 //! plans share the device's one block. At a step's first allocation, the plan whose recorded
 //! first allocation fits it most tightly is switched in (only when no array uses the block: a
 //! plan knows only its own arrays' positions). A step of the same kind whose plan comes out much
@@ -724,10 +726,20 @@ impl DeviceArena {
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
     /// least recently used shelved plan goes when the shelf is full).
     fn shelve(&mut self, layout: Layout) {
-        if self.shelf.len() >= MAX_SHELVED
-            && let Some(i) = (0..self.shelf.len()).min_by_key(|&i| self.shelf[i].used)
-        {
-            self.shelf.swap_remove(i);
+        if self.shelf.len() >= MAX_SHELVED {
+            // The least recently used goes, but never the plan of the largest footprint (unless
+            // `layout` is larger): a step of a kind no shelved plan fits (a larger batch than
+            // any of theirs) is served by it, where a smaller plan would leave the step to its
+            // block's gaps, and what they cannot hold to blocks of their own.
+            let largest = (0..self.shelf.len())
+                .max_by_key(|&i| self.shelf[i].layout.footprint)
+                .filter(|&i| self.shelf[i].layout.footprint > layout.footprint);
+            if let Some(i) = (0..self.shelf.len())
+                .filter(|&i| Some(i) != largest)
+                .min_by_key(|&i| self.shelf[i].used)
+            {
+                self.shelf.swap_remove(i);
+            }
         }
         let used = self.step;
         self.shelf.push(Shelved { layout, used });

@@ -12,7 +12,13 @@
 //! ```text
 //! cargo run --release --example replay -- tests/fixtures/gpt2_train.csv.gz cpu 7
 //! cargo run --release --features cuda --example replay -- tests/fixtures/*.csv.gz cuda 7
+//! cargo run --release --example replay -- --longer 10 tests/fixtures/vit_infer.csv.gz cpu 3
 //! ```
+//!
+//! `--longer PASSES` replays each log's steps after the first that many more times, in
+//! shuffled orders ([`replay::reordered`]): a recording of ten steps shows a few batches or
+//! lengths in one order, a long run of the model brings every order. The figures are then the
+//! longer run's (its peak live bytes included).
 //!
 //! For each log it prints, per variant:
 //!
@@ -56,6 +62,13 @@ struct Variant {
 
 fn main() -> Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--longer PASSES`: each log's steps replayed that many more times in shuffled orders.
+    let mut longer = None;
+    if let Some(i) = args.iter().position(|a| a == "--longer") {
+        let passes = args.get(i + 1).and_then(|p| p.parse::<usize>().ok());
+        longer = Some(passes.ok_or("--longer takes a number of passes")?);
+        args.drain(i..i + 2);
+    }
     let mut rounds = 7usize;
     if let Some(n) = args.last().and_then(|a| a.parse().ok()) {
         rounds = n;
@@ -74,18 +87,21 @@ fn main() -> Result<()> {
         None => Device::Cpu,
     };
     if args.is_empty() {
-        return Err("usage: replay LOG.csv[.gz]... [cpu|cuda] [ROUNDS]".into());
+        return Err("usage: replay [--longer PASSES] LOG.csv[.gz]... [cpu|cuda] [ROUNDS]".into());
     }
     let rounds = rounds.max(1);
     let mut summary = Vec::new();
     for log in &args {
-        summary.push((log.clone(), report(log, dev, rounds)?));
+        summary.push((log.clone(), report(log, dev, rounds, longer)?));
     }
     if args.len() > 1 {
         print_summary(&summary);
     }
     Ok(())
 }
+
+/// The seed of the orders `--longer` replays a log's steps in.
+const LONGER_SEED: u64 = 7;
 
 /// The variants replayed on `dev`; the last is the baseline of the time ratios.
 fn variants(dev: Device) -> Vec<Variant> {
@@ -136,8 +152,15 @@ struct Row {
 /// What one log's report found: its peak live bytes, what plans would hold, the variants' rows.
 type Report = (usize, plan::Simulated, Vec<Row>);
 
-fn report(log: &str, dev: Device, rounds: usize) -> Result<Report> {
-    let ops = replay::read(&PathBuf::from(log))?;
+fn report(log: &str, dev: Device, rounds: usize, longer: Option<usize>) -> Result<Report> {
+    let mut ops = replay::read(&PathBuf::from(log))?;
+    if let Some(passes) = longer {
+        println!(
+            "{log}: replayed longer: its steps after the first {passes} more times, in shuffled \
+             orders (replay::reordered, seed {LONGER_SEED})"
+        );
+        ops = replay::reordered(&ops, passes, LONGER_SEED);
+    }
     let allocs = ops
         .iter()
         .filter(|o| matches!(o, replay::Op::Alloc { .. }))

@@ -114,7 +114,9 @@
 //!
 //! A view dropped on another thread is only counted: the owner does not learn that its position
 //! is free, so the plan keeps those bytes taken (a later position over them is served apart and
-//! the step is planned again), which is safe.
+//! the step is planned again), which is safe. Once no view of the block is alive anywhere (at a
+//! step's end, or when the cache's stats are read), those bytes are cached again and every
+//! position is free.
 //!
 //! # A block given up, and grown
 //!
@@ -206,6 +208,17 @@ impl Plan {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         self.block
             .is_some_and(|b| unsafe { b.as_ref() }.views() != 0)
+    }
+
+    /// Arrays of the block dropped on other threads are only counted there: the owner does not
+    /// learn which positions they had, and still counts their bytes in use. Once no view of the
+    /// block is alive anywhere, those bytes are cached (in gauge `g` of `st`) and every position
+    /// is free again.
+    fn settle_remote_drops(&mut self, st: &Counters, g: GaugeIx) {
+        if self.in_use != 0 && self.block.is_some() && !self.block_in_use() {
+            cached(st, g, std::mem::take(&mut self.in_use));
+            self.layout.clear_live();
+        }
     }
 
     /// Makes `layout` the plan's, leaving the one it replaces in `layout`. Only when no array
@@ -906,6 +919,7 @@ impl DeviceArena {
         let n = self.record.len();
         let mut followed = false;
         if let Some(plan) = &mut self.plan {
+            plan.settle_remote_drops(st, self.gauge);
             plan.layout.confirmed |= !self.diverged && plan.layout.reached_end();
             followed = plan.layout.end_step();
             plan.ready = false;
@@ -1373,6 +1387,16 @@ impl CacheState {
             None => NO_POSITION,
         };
         Ok(self.solo_view(st, block, req, pos))
+    }
+
+    /// Settles every device's plan for the arrays of its block dropped on other threads
+    /// ([`Plan::settle_remote_drops`]), so that the bytes in use count live arrays only.
+    pub(super) fn settle_remote_drops(&mut self, st: &Counters) {
+        for a in &mut self.arenas.devices {
+            if let Some(plan) = &mut a.plan {
+                plan.settle_remote_drops(st, a.gauge);
+            }
+        }
     }
 
     /// The outermost scope exited: every device's step ends.

@@ -645,10 +645,14 @@ impl CacheCell {
         }
     }
 
-    /// The counters after taking in buffers returned by other threads (owner thread).
+    /// The counters after taking in buffers returned by other threads, and settling a planned
+    /// cache's arrays dropped on other threads (owner thread).
     pub(crate) fn stats_owned(&self) -> CacheStats {
         let active = self.is_active();
-        self.owned(|state, _| self.drain_returned(state, active));
+        self.owned(|state, st| {
+            self.drain_returned(state, active);
+            state.settle_remote_drops(st);
+        });
         self.snapshot()
     }
 

@@ -78,8 +78,9 @@
 //! hit path sends a cache whose flags are `ARENA` alone to [`CacheCell::plan_hit`] (the next
 //! position of a plan the step follows); everything else goes to the slow paths, which serve a
 //! planned cache here: an allocation in [`CacheCell::take`], the drop of a view in
-//! [`CacheCell::send_view_home`], the end of a step in [`CacheCell::exit_slow`]. The flag stays set while arrays of a planned cache may be alive
-//! (after a change of key policy), so that a view always finds its way back here.
+//! [`CacheCell::send_view_home`], the end of a step in [`CacheCell::exit_slow`]. The flag stays
+//! set while arrays of a planned cache may be alive (after a change of key policy), so that a
+//! view always finds its way back here.
 //!
 //! # Blocks and their arrays
 //!

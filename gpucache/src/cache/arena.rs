@@ -98,7 +98,10 @@
 //! length is set to each array's ([`Block::set_view_len`]). When an array drops on the owner
 //! thread, its view stays *idle* at its offset: kept for its position, or *loose* (by offset)
 //! in a step served from the gaps. The next array at that offset takes it, in this step or a
-//! later one, and so do the positions of a plan made again when their offsets did not change.
+//! later one. When another layout takes the block (a plan made again, a shelved one switched
+//! in), the positions' idle views go loose, and each position of the new layout takes the one
+//! at its offset the first time it is served: a switch moves only the views in use, with no
+//! search or sort over the loose ones.
 //! Loose views are kept several to an offset, up to as many as the plan and its shelved plans
 //! have positions, so that plans taking turns on the block (a server's prompts and decoding
 //! steps) keep each other's views. Idle views are no array's: they are not counted, and they
@@ -174,7 +177,7 @@ use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
 };
-use device::{Awaiting, DeviceArena, Held, Plan, Shelved};
+use device::{Awaiting, DeviceArena, Held, LooseAt, Plan, Shelved};
 use gaps::Gaps;
 use layout::{Layout, NONE, OPEN, Rec, Serve};
 
@@ -223,60 +226,65 @@ impl Plan {
     }
 
     /// Makes `layout` the plan's, leaving the one it replaces in `layout`. Only when no array
-    /// uses the block, and its idle views were taken out (`take_views`, `take_block`): so every
-    /// position of the new layout is free, whatever it last counted as taken (arrays dropped on
-    /// other threads, or on a block since replaced), and it has no idle view yet.
+    /// uses the block, and its positions' idle views went loose ([`Plan::loosen_views`]) or
+    /// were dropped with the block ([`Plan::take_block`]): so every position of the new layout
+    /// is free, whatever it last counted as taken (arrays dropped on other threads, or on a
+    /// block since replaced), and it has no idle view of its own yet.
     fn swap_layout(&mut self, layout: &mut Layout) {
         std::mem::swap(&mut self.layout, layout);
         self.layout.clear_live();
         self.views = no_views(&self.layout);
     }
 
-    /// Takes the idle views out of the plan (the positions' and the loose ones), with their
-    /// offsets.
-    fn take_views(&mut self) -> KeptViews {
-        let layout = &self.layout;
-        let positions = self
-            .views
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(k, v)| Some((layout.range(k as u32).start, v.take()?)));
-        let mut views: KeptViews = positions.collect();
-        views.extend(
-            self.loose
-                .drain()
-                .flat_map(|(o, at)| at.into_iter().map(move |v| (o, v))),
-        );
-        self.loose_len = 0;
-        views
-    }
-
-    /// Keeps the idle views `kept` (of this plan's block): each for the position of the layout
-    /// at its offset, else loose (at most `loose_cap`; the others are dropped). A step planned
-    /// again (another batch, another order) mostly keeps offsets, so their views are not made
-    /// again.
-    fn keep_views(&mut self, kept: KeptViews) {
-        let mut kept: Vec<(usize, Option<Block>)> =
-            kept.into_iter().map(|(o, v)| (o, Some(v))).collect();
-        kept.sort_unstable_by_key(|&(o, _)| o);
-        for (k, slot) in self.views.iter_mut().enumerate() {
-            let range = self.layout.range(k as u32);
-            if range.is_empty() {
-                continue;
-            }
-            // Positions that share an offset (at other times) each get a view, if there are
-            // enough.
-            let from = kept.partition_point(|&(o, _)| o < range.start);
-            *slot = kept[from..]
-                .iter_mut()
-                .take_while(|(o, _)| *o == range.start)
-                .find_map(|(_, v)| v.take());
-        }
-        for (offset, view) in kept {
-            if let Some(view) = view {
+    /// The positions' idle views go loose, at their offsets (within `loose_cap`; the others
+    /// are dropped): when the step leaves the plan (the gaps hand out offsets, not positions),
+    /// and before another layout takes the block. A position of the next layout takes the
+    /// loose view at its offset the first time it is served ([`Plan::view`]), so a layout
+    /// switched in or made again costs nothing for the views whose offsets did not change, and
+    /// nothing at all for those it never uses.
+    fn loosen_views(&mut self) {
+        for k in 0..self.views.len() {
+            if let Some(view) = self.views[k].take() {
+                let offset = self.layout.range(k as u32).start;
                 self.park(offset, view);
             }
         }
+    }
+
+    /// Takes the loose views out of the plan (after [`Plan::loosen_views`], every idle view),
+    /// for a plan made again on the same block ([`Plan::adopt_loose`]).
+    fn take_loose(&mut self) -> Loose {
+        Loose {
+            at: std::mem::take(&mut self.loose),
+            len: std::mem::take(&mut self.loose_len),
+        }
+    }
+
+    /// Keeps `loose`, idle views of this plan's block that [`Plan::take_loose`] took out of the
+    /// plan it replaces, within `loose_cap`.
+    fn adopt_loose(&mut self, loose: Loose) {
+        debug_assert!(self.loose_len == 0);
+        self.loose = loose.at;
+        self.loose_len = loose.len;
+        self.trim_loose();
+    }
+
+    /// Drops loose views past `loose_cap` (after the cap went down with a new layout).
+    fn trim_loose(&mut self) {
+        if self.loose_len <= self.loose_cap {
+            return;
+        }
+        let mut excess = self.loose_len - self.loose_cap;
+        self.loose.retain(|_, at| {
+            while excess > 0
+                && let Some(view) = at.pop()
+            {
+                excess -= 1;
+                drop_views([view]);
+            }
+            !at.is_empty()
+        });
+        self.loose_len = self.loose_cap;
     }
 
     /// Keeps `view`, idle at `offset` of the block, loose (dropped when `loose_cap` views
@@ -291,7 +299,11 @@ impl Plan {
     }
 
     /// A loose view at `offset`, if one is idle there.
+    #[inline(never)]
     fn unpark(&mut self, offset: usize) -> Option<Block> {
+        if self.loose_len == 0 {
+            return None;
+        }
         let at = self.loose.get_mut(&offset)?;
         let view = at.pop();
         if at.is_empty() {
@@ -319,8 +331,8 @@ impl Plan {
     }
 
     /// A view for an array of `bytes` bytes at position `pos` (at `offset`) of the plan's block
-    /// `arena`, counted (in gauge `g` of `st`) as in use: the view kept for the position, else a
-    /// new one.
+    /// `arena`, counted (in gauge `g` of `st`) as in use: the view kept for the position, else
+    /// a loose one at its offset, else a new one.
     #[inline(always)]
     fn view(
         &mut self,
@@ -330,7 +342,10 @@ impl Plan {
         (pos, offset): (u32, usize),
         bytes: usize,
     ) -> Result<Block> {
-        let kept = self.views.get_mut(pos as usize).and_then(Option::take);
+        let kept = match self.views.get_mut(pos as usize).and_then(Option::take) {
+            Some(view) => Some(view),
+            None => self.unpark(offset),
+        };
         self.counted_view(st, g, arena, offset, bytes, kept)
     }
 
@@ -409,9 +424,7 @@ impl Plan {
             let bytes = unsafe { arena.as_ref() }.block.bytes();
             self.gaps = Some(Gaps::new(bytes, self.layout.live_ranges()));
             // The gaps hand out offsets, not positions: the positions' idle views go loose.
-            for (offset, view) in self.take_views() {
-                self.park(offset, view);
-            }
+            self.loosen_views();
         }
         Ok(())
     }
@@ -429,12 +442,17 @@ fn no_views(layout: &Layout) -> Vec<Option<Block>> {
     std::iter::repeat_with(|| None).take(layout.len()).collect()
 }
 
-/// Idle views taken out of a plan, with their offsets in its block.
-type KeptViews = Vec<(usize, Block)>;
+/// The loose views taken out of a plan ([`Plan::take_loose`]), and how many.
+struct Loose {
+    at: HashMap<usize, LooseAt>,
+    len: usize,
+}
 
-/// Drops idle views taken out of a plan.
-fn drop_kept(views: KeptViews) {
-    drop_views(views.into_iter().map(|(_, v)| v));
+impl Loose {
+    /// Drops them (before their block leaves the plan).
+    fn drop_all(self) {
+        drop_views(self.at.into_values().flatten());
+    }
 }
 
 /// Drops idle views.
@@ -793,26 +811,28 @@ impl DeviceArena {
         if plan.block_in_use() {
             return false;
         }
-        let views = plan.take_views();
-        let block = plan.take_block();
+        let fits = plan.block_bytes() >= self.shelf[i].layout.footprint;
+        // The block stays if it holds the shelved plan, with every idle view, loose: the
+        // positions take them as they are served.
+        let block = if fits {
+            plan.loosen_views();
+            None
+        } else {
+            plan.take_block()
+        };
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
         plan.loose_cap = loose_cap(&plan.layout, &self.shelf);
-        let Some((b, in_use)) = block else {
-            drop_kept(views);
-            return false;
-        };
-        // SAFETY: a plan's block is the cache's until detached.
-        if unsafe { b.as_ref() }.block.bytes() >= plan.layout.footprint {
+        plan.trim_loose();
+        if plan.block.is_some() {
             // No array uses the block: what is still counted in use was dropped on other
             // threads, and its bytes may be handed out again, so they are cached again.
-            cached(st, self.gauge, in_use);
-            plan.block = Some(b);
-            plan.keep_views(views);
-            return false;
+            cached(st, self.gauge, std::mem::take(&mut plan.in_use));
         }
-        drop_kept(views);
+        let Some((b, in_use)) = block else {
+            return false;
+        };
         // The shelved plan needs a larger block.
         self.detach(st, b, in_use, true)
     }
@@ -953,9 +973,10 @@ impl DeviceArena {
             let smaller = |old: &Layout| old.footprint > layout.footprint + layout.footprint / 4;
             let keep_old =
                 !same || !self.outgrew && old.as_ref().is_some_and(|p| smaller(&p.layout));
-            let mut views = KeptViews::new();
+            let mut loose = None;
             let block = old.and_then(|mut old| {
-                views = old.take_views();
+                old.loosen_views();
+                loose = Some(old.take_loose());
                 let block = old.take_block();
                 if keep_old {
                     self.shelve(old.layout);
@@ -973,13 +994,17 @@ impl DeviceArena {
                     cached(st, self.gauge, in_use);
                     keep = Some(b);
                 } else {
-                    drop_kept(std::mem::take(&mut views));
+                    if let Some(loose) = loose.take() {
+                        loose.drop_all();
+                    }
                     retired += usize::from(self.detach(st, b, in_use, !fits && !tainted));
                 }
             }
             let cap = loose_cap(&layout, &self.shelf);
             let mut plan = Plan::new(layout, keep, cap);
-            plan.keep_views(views);
+            if let Some(loose) = loose {
+                plan.adopt_loose(loose);
+            }
             self.plan = Some(plan);
         } else if tainted && let Some(plan) = &mut self.plan {
             plan.tainted = false;

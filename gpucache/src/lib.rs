@@ -189,7 +189,9 @@
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
 //!   plan each, up to four, sharing the block: a step's first allocation picks the plan made
 //!   for steps like it. A step that follows its plan and ends early (evaluation after training,
-//!   both beginning with the same forward pass) is served by that plan.
+//!   both beginning with the same forward pass) is served by that plan. A step much smaller
+//!   than its plan that leaves it (a smaller batch in another order) and is unlike the last few
+//!   is served from the plan's block and not planned; a kind that comes again soon is.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
 //!   step, its block is kept for the next such array through the end of the next step (a cache

@@ -1,6 +1,8 @@
-//! Unit tests of what the public API cannot show: how many views the planned caches make.
+//! Unit tests of what the public API cannot show: how many views and plans the planned caches
+//! make.
 
 use crate::backend::VIEWS_MADE;
+use crate::cache::PLANS_MADE;
 use std::sync::Arc;
 
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
@@ -121,6 +123,69 @@ fn plans_that_take_turns_keep_each_others_views() {
     assert!(
         made.iter().all(|&n| n == 0),
         "views made per step in the last two requests: {made:?}"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// The plans made on this thread so far.
+fn plans() -> u64 {
+    PLANS_MADE.with(std::cell::Cell::get)
+}
+
+/// One step: arrays of `lens` elements in order, each dropped two allocations later (filled,
+/// and checked when it drops).
+fn chain_step(name: &str, lens: &[usize]) {
+    let _scope = crate::enter(name);
+    let mut chain: Vec<(Array<u32>, u32)> = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let i = i as u32;
+        let a = Array::from_slice(Device::Cpu, &vec![i; len], len).unwrap();
+        if chain.len() == 2 {
+            let (old, v) = chain.remove(0);
+            assert!(old.to_vec().unwrap().iter().all(|&e| e == v));
+        }
+        chain.push((a, i));
+    }
+}
+
+/// A step much smaller than its plan that leaves it (its sizes in another order: a smaller
+/// batch whose workspaces come elsewhere) is served from the plan's block and not planned: a
+/// plan of its own would only make the next step, of another kind again, leave that one. A kind
+/// of step that comes again soon is planned. No step here allocates from the device after the
+/// first two.
+#[test]
+fn a_much_smaller_step_unlike_the_last_ones_is_not_planned() {
+    let name = "unit-unplanned";
+    let (backend, _installed, _serial) = planned(name);
+    let large: Vec<usize> = (0..12).map(|i| [16384, 256][i % 2]).collect();
+    let small = |n: usize| -> Vec<usize> { (0..12).map(|i| [256, n][i % 2]).collect() };
+    chain_step(name, &large);
+    chain_step(name, &large);
+    let (made, allocs) = (plans(), backend.allocs());
+    chain_step(name, &small(8192));
+    chain_step(name, &small(6144));
+    assert_eq!(
+        plans(),
+        made,
+        "a smaller step unlike the last ones is not planned"
+    );
+    chain_step(name, &large);
+    assert_eq!(
+        plans(),
+        made,
+        "the plan stayed, and the large step follows it"
+    );
+    chain_step(name, &small(8192));
+    assert_eq!(
+        plans(),
+        made + 1,
+        "a kind of step that comes again is planned"
+    );
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "every step was served from the plan's block"
     );
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");

@@ -47,7 +47,14 @@
 //! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
 //! The block is kept while the plans fit it; a step that outgrows it gives it back. A step that
 //! follows its plan in order and ends early (an evaluation step that begins as the training
-//! step it alternates with) is not planned again: the plan holds it.
+//! step it alternates with) is not planned again: the plan holds it. Nor is a step that left
+//! its plan within its block, much smaller than the plan (its peak a quarter below the
+//! footprint), unlike the last four such steps (its sizes in their order, as a
+//! [signature](layout::signature)), with no array of the block alive at its end: a smaller
+//! batch of a CNN whose cuDNN workspaces come in another order, which the next step, another
+//! batch, would leave again; planning it cost a plan and a switch of plans every step. It is
+//! remembered, so that a kind that comes again soon (steps taking turns, a new batch size from
+//! now on) is planned.
 //!
 //! Arrays that outlive their step (apart) are matched by position too. One apart in the
 //! recorded step and not near the request's size is skipped only when a later position is near
@@ -187,6 +194,12 @@ const MAX_POSITIONS: u32 = 1 << 20;
 
 /// The most plans of other kinds of step a device keeps besides its current one.
 const MAX_SHELVED: usize = 3;
+
+#[cfg(test)]
+thread_local! {
+    /// The plans made from a step's record at its end on this thread (unit tests count them).
+    pub(crate) static PLANS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 impl Plan {
     /// A plan of `layout` in `block` (if it has one yet), keeping at most `loose_cap` idle
@@ -642,7 +655,45 @@ impl DeviceArena {
             given_up: None,
             high: 0,
             awaiting: None,
+            unplanned: [0; device::UNPLANNED],
+            unplanned_at: 0,
         }
+    }
+
+    /// Whether the step that just ended, which left its plan, is served as well by the plan it
+    /// left as by a plan of its own: it stayed within the plan's block (nothing went apart for
+    /// want of room, nothing grew, no other stream used the block), no array of the block is
+    /// alive, and no step of the last few that left the plan unplanned had its sizes in its
+    /// order. A step like that (a batch of another size whose workspaces come in another order,
+    /// a step that does something extra once) is mostly not followed by another of its kind:
+    /// planned again, it would make the next step leave that plan too, and cost a plan and a
+    /// switch of views every step. Its signature is remembered, so that a kind of step that
+    /// comes again soon (steps that take turns, a new batch size from now on) is planned.
+    fn served_unplanned(&mut self, tainted: bool) -> bool {
+        let fits = self.diverged
+            && !self.outgrew
+            && !self.replan
+            && !self.scaled
+            && !self.overflowed
+            && !tainted
+            && self.plan.as_ref().is_some_and(|p| {
+                p.block.is_some()
+                    && !p.block_in_use()
+                    && p.layout.footprint > {
+                        let peak = layout::peak_live(&self.record);
+                        peak + peak / 4
+                    }
+            });
+        if !fits {
+            return false;
+        }
+        let signature = layout::signature(&self.record);
+        if self.unplanned.contains(&signature) {
+            return false;
+        }
+        self.unplanned[self.unplanned_at] = signature;
+        self.unplanned_at = (self.unplanned_at + 1) % device::UNPLANNED;
+        true
     }
 
     /// A new block of `capacity` bytes for the cache, the plan's block (`plan`) or a solo one.
@@ -954,7 +1005,14 @@ impl DeviceArena {
                 .plan
                 .as_ref()
                 .is_some_and(|p| p.layout.holds(&self.record));
-        if self.overflowed {
+        if self.served_unplanned(tainted)
+            && let Some(plan) = &mut self.plan
+        {
+            // The plan stays as it was; no array of the block is alive, so every position is
+            // free, and the gaps close with the step.
+            plan.gaps = None;
+            plan.layout.clear_live();
+        } else if self.overflowed {
             retired += usize::from(self.drop_plan(st));
         } else if n > 0 && (self.diverged || self.replan || !followed) && !kept {
             let old = self.plan.take();
@@ -965,6 +1023,8 @@ impl DeviceArena {
                 &self.record,
                 old.as_ref().filter(|_| same).map(|p| &p.layout),
             );
+            #[cfg(test)]
+            PLANS_MADE.with(|n| n.set(n.get() + 1));
             layout.cold = old.is_none();
             let mut keep = None;
             // A step of another kind, or one of the same kind that fit the block and plans
@@ -1448,9 +1508,11 @@ impl CacheState {
             if let Some((old, _)) = a.given_up.take() {
                 a.free_cached(st, old);
             }
-            // A cold start: what the cache held before does not let it keep more.
+            // A cold start: what the cache held before does not let it keep more, and the steps
+            // it left unplanned are forgotten with the plans.
             a.high = 0;
             a.awaiting = None;
+            a.unplanned = [0; device::UNPLANNED];
         }
         self.live += retired;
     }

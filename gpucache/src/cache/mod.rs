@@ -43,6 +43,8 @@
 //! the exited thread's row in the registry may already hold the cell's final counters.
 
 mod arena;
+#[cfg(test)]
+pub(crate) use arena::PLANS_MADE;
 pub(crate) mod counters;
 #[cfg(feature = "tracing")]
 mod events;

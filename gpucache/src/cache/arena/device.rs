@@ -130,7 +130,15 @@ pub(in crate::cache) struct DeviceArena {
     /// within it.
     pub(super) high: usize,
     pub(super) awaiting: Option<Awaiting>,
+    /// The [signatures](super::layout::signature) of the last steps that left their plan and
+    /// were not planned again (see `DeviceArena::end_step`), the oldest overwritten first.
+    pub(super) unplanned: [u64; UNPLANNED],
+    /// Where the next signature goes in `unplanned`.
+    pub(super) unplanned_at: usize,
 }
+
+/// How many steps that left their plan unplanned a device remembers.
+pub(super) const UNPLANNED: usize = 4;
 
 // SAFETY: a `DeviceArena` is part of a cache's state, reached only by the holder of its lock (on
 // any thread); its `BlockPtr` stands for the cache's count of an `Arc<ArenaBlock>`, whose fields

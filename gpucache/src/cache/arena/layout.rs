@@ -109,6 +109,30 @@ pub(super) struct Layout {
     pub(super) confirmed: bool,
 }
 
+/// A step's sizes, in order, as one number: equal for steps that allocated the same sizes in
+/// the same order (and, but for a collision, only for those).
+pub(super) fn signature(record: &[Rec]) -> u64 {
+    record.iter().fold(record.len() as u64, |h, r| {
+        (h.rotate_left(5) ^ r.bytes as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    })
+}
+
+/// The most aligned bytes of a step's arrays alive at once, from its record (an array still
+/// alive counts to the end).
+pub(super) fn peak_live(record: &[Rec]) -> usize {
+    let mut ends = vec![0usize; record.len() + 1];
+    for r in record {
+        ends[(r.end as usize).min(record.len())] += r.bytes;
+    }
+    let (mut live, mut peak) = (0usize, 0usize);
+    for (t, r) in record.iter().enumerate() {
+        live -= ends[t];
+        live += r.bytes;
+        peak = peak.max(live);
+    }
+    peak
+}
+
 /// Whether two sizes are within a factor of two of each other.
 fn near(a: usize, b: usize) -> bool {
     a / 2 <= b && b / 2 <= a

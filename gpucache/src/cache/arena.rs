@@ -109,9 +109,10 @@
 //! in), the positions' idle views go loose, and each position of the new layout takes the one
 //! at its offset the first time it is served: a switch moves only the views in use, with no
 //! search or sort over the loose ones.
-//! Loose views are kept several to an offset, up to as many as the plan and its shelved plans
-//! have positions, so that plans taking turns on the block (a server's prompts and decoding
-//! steps) keep each other's views. Idle views are no array's: they are not counted, and they
+//! Loose views are kept several to an offset, up to twice as many as the plan and its shelved
+//! plans have positions, so that plans taking turns on the block (a server's prompts and
+//! decoding steps) keep each other's views, and steps served from the gaps find views at the
+//! offsets earlier such steps used. Idle views are no array's: they are not counted, and they
 //! are dropped before the block leaves the plan.
 //!
 //! Views are counted with a biased count, so that a plan hit and a drop on the owner thread touch
@@ -443,11 +444,14 @@ impl Plan {
     }
 }
 
-/// The most idle views a plan of `layout` keeps loose: as many as it and the `shelf`'s plans,
-/// which share its block, have positions (at least 64).
+/// The most idle views a plan of `layout` keeps loose: twice as many as it and the `shelf`'s
+/// plans, which share its block, have positions (at least 128). Steps served from the gaps
+/// put arrays at other offsets than the positions': on EfficientNet's and ConvNeXt's shuffled
+/// steps a cap of as many views as positions made twice as many views (each a cudarc slice with
+/// two events), and twice that cap keeps every view those runs make.
 fn loose_cap(layout: &Layout, shelf: &[Shelved]) -> usize {
     let shelved: usize = shelf.iter().map(|s| s.layout.len()).sum();
-    (layout.len() + shelved).max(64)
+    2 * (layout.len() + shelved).max(64)
 }
 
 /// No view kept for any of `layout`'s positions.

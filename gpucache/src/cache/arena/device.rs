@@ -41,8 +41,8 @@ pub(in crate::cache) struct Plan {
     pub(super) loose: HashMap<usize, LooseAt>,
     /// The views in `loose`.
     pub(super) loose_len: usize,
-    /// The most views `loose` keeps: the positions of this plan and of the shelved ones, which
-    /// share the block (at least 64).
+    /// The most views `loose` keeps: twice the positions of this plan and of the shelved ones,
+    /// which share the block (at least 128).
     pub(super) loose_cap: usize,
 }
 

@@ -87,15 +87,15 @@ pub(super) enum Serve {
 #[derive(Debug)]
 pub(super) struct Layout {
     spots: Vec<Spot>,
-    /// The positions planned to end at each tick `t`: `by_end[end_at[t]..end_at[t + 1]]`.
-    by_end: Vec<u32>,
-    end_at: Vec<u32>,
+    /// Every position with its planned end, `(end, position)`, by end.
+    by_end: Vec<(u32, u32)>,
+    /// The entries of `by_end` before this one have been processed this step (their positions
+    /// are overdue if they were still alive).
+    ended: u32,
     /// Positions alive past their planned end.
     overdue: Vec<u32>,
     /// The next position to match.
     cursor: u32,
-    /// Ticks below this have had their planned ends processed.
-    ticked: u32,
     /// This step skipped positions apart, or left positions unmatched.
     pub(super) skipped: bool,
     /// The block's size: the end of the highest position.
@@ -206,27 +206,19 @@ impl Layout {
         for (&k, offset) in placed.iter().zip(plan.offsets) {
             spots[k as usize].offset = offset;
         }
-        // Positions by planned end (a counting sort).
-        let mut end_at = vec![0u32; n as usize + 2];
-        for s in &spots {
-            end_at[s.end as usize + 1] += 1;
-        }
-        for t in 1..end_at.len() {
-            end_at[t] += end_at[t - 1];
-        }
-        let mut fill = end_at.clone();
-        let mut by_end = vec![0u32; spots.len()];
-        for (k, s) in spots.iter().enumerate() {
-            by_end[fill[s.end as usize] as usize] = k as u32;
-            fill[s.end as usize] += 1;
-        }
+        // Positions by planned end (stable: by position among equal ends).
+        let mut by_end: Vec<(u32, u32)> = spots
+            .iter()
+            .enumerate()
+            .map(|(k, s)| (s.end, k as u32))
+            .collect();
+        by_end.sort_unstable();
         Layout {
             spots,
             by_end,
-            end_at,
+            ended: 0,
             overdue: Vec::new(),
             cursor: 0,
-            ticked: 0,
             skipped: false,
             footprint: plan.footprint,
             first: record.first().map_or(0, |r| r.bytes),
@@ -257,20 +249,16 @@ impl Layout {
     }
 
     /// Processes the planned ends of the ticks up to `t`: positions planned to end there that
-    /// are still alive become overdue.
+    /// are still alive become overdue. On a step that follows its plan, about one position a
+    /// tick: a load and a compare or two.
     #[inline(always)]
     fn tick_to(&mut self, t: u32) {
-        while self.ticked <= t {
-            let k = self.ticked as usize;
-            self.ticked += 1;
-            let (Some(&lo), Some(&hi)) = (self.end_at.get(k), self.end_at.get(k + 1)) else {
-                return;
-            };
-            for i in lo..hi {
-                let p = self.by_end[i as usize];
-                if self.spots[p as usize].live {
-                    self.make_overdue(p);
-                }
+        while let Some(&(end, p)) = self.by_end.get(self.ended as usize)
+            && end <= t
+        {
+            self.ended += 1;
+            if self.spots.get(p as usize).is_some_and(|s| s.live) {
+                self.make_overdue(p);
             }
         }
     }
@@ -334,9 +322,7 @@ impl Layout {
     #[inline(always)]
     pub(super) fn peek(&mut self, size: usize) -> Option<(usize, u32)> {
         let c = self.cursor;
-        if self.ticked <= c {
-            self.tick_to(c);
-        }
+        self.tick_to(c);
         let s = self.spots.get(c as usize)?;
         (!s.apart && size <= s.size && !s.live && self.overdue.is_empty()).then_some((s.offset, c))
     }
@@ -546,14 +532,16 @@ impl Layout {
     /// no position skipped, to its end or to a position before it (a prefix of the recorded
     /// step: an evaluation step after a training step that begins as it does).
     pub(super) fn end_step(&mut self) -> bool {
-        for p in 0..self.spots.len() as u32 {
-            if self.spots[p as usize].live {
-                self.make_overdue(p);
+        let overdue = &mut self.overdue;
+        for (p, s) in self.spots.iter_mut().enumerate() {
+            if s.live && !s.overdue {
+                s.overdue = true;
+                overdue.push(p as u32);
             }
         }
         let followed = !self.skipped && self.cursor > 0;
         self.cursor = 0;
-        self.ticked = 0;
+        self.ended = 0;
         self.skipped = false;
         followed
     }

@@ -1347,14 +1347,13 @@ impl CacheState {
     #[inline(always)]
     fn plan_hit(&mut self, st: &Counters, req: &Request<'_>) -> Option<(Block, u32, u32)> {
         let a = self.arenas.devices.first_mut()?;
-        if a.device != req.device
-            || a.diverged
-            || a.tick >= MAX_POSITIONS
-            || (a.tick == 0 && !a.shelf.is_empty())
-        {
+        if a.device != req.device || a.diverged || a.tick >= MAX_POSITIONS {
             return None;
         }
         let plan = a.plan.as_mut()?;
+        // Not ready at a step's first allocation (made ready there, on the slow path, which
+        // also picks the plan among the shelved ones).
+        debug_assert!(a.tick != 0 || !plan.ready);
         let arena = plan.block.filter(|_| plan.ready)?;
         let size = aligned(req.bytes)?;
         let (offset, pos) = plan.layout.peek(size)?;

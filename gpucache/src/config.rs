@@ -54,8 +54,8 @@ pub enum KeyPolicy {
     ///   step is served from the block's free bytes when it did not grow, else apart, and the
     ///   plan is remade from that step, with each position's largest size.
     /// * **Arrays that outlive their step** (returned, stored, sent to another thread) are
-    ///   served apart, in blocks of their own, which are kept for the next such array for one
-    ///   step after they are freed.
+    ///   served apart, in blocks of their own, which are kept for the next such array after they
+    ///   are freed, while the cache holds no more than it has held before.
     /// * [`Reuse`] does not apply: the plan reuses memory as the step's arrays drop.
     ///
     /// [`planner::greedy_by_size`]: crate::planner::greedy_by_size

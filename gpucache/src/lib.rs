@@ -194,8 +194,10 @@
 //!   is served from the plan's block and not planned; a kind that comes again soon is.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
-//!   step, its block is kept for the next such array through the end of the next step (a cache
-//!   of keys and values that grows a token a step reuses them), then given back.
+//!   step, its block is kept as a spare for the next such array it fits (up to four times as
+//!   large; a cache of keys and values that grows a token a step reuses them, and so does a
+//!   model's input whose batch varies), until a device allocation would take the cache past
+//!   the most it has held: then spares go back first, so keeping them never raises its peak.
 //! * The first step allocates from the device, and so does a step that outgrows its plan (its
 //!   scaled plan's block, and the arrays served apart); a step that follows its plan does not.
 //!   On CUDA a plan's block of 32 MiB or more is mapped through the driver's virtual memory

@@ -190,3 +190,39 @@ fn a_much_smaller_step_unlike_the_last_ones_is_not_planned() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// Arrays that outlive their step (a model's inputs, kept into the next step) vary in size: a
+/// spare up to four times an array's size serves it while a new block would keep the cache
+/// within the most it has held, rather than a device allocation.
+#[test]
+fn a_spare_four_times_larger_serves_an_array_below_the_high_water_mark() {
+    let name = "unit-spare-larger";
+    let (backend, _installed, _serial) = planned(name);
+    let big = 1 << 14;
+    let (a0, b0) = {
+        let _scope = crate::enter(name);
+        let a = Array::from_slice(Device::Cpu, &vec![1u32; big], big).unwrap();
+        let b = Array::from_slice(Device::Cpu, &vec![2u32; big], big).unwrap();
+        (a, b)
+    };
+    // The cache's high-water mark holds both. A spare at once (`a0`), held at the mark: a
+    // smaller array gets a block of its own (a spare four times as large would pass the mark).
+    let a1 = {
+        let _scope = crate::enter(name);
+        drop(a0);
+        Array::from_slice(Device::Cpu, &vec![3u32; big / 4], big / 4).unwrap()
+    };
+    // Below the mark now: `b0`'s block, four times as large, serves the next one.
+    let allocs = backend.allocs();
+    let a2 = {
+        let _scope = crate::enter(name);
+        drop(b0);
+        Array::from_slice(Device::Cpu, &vec![4u32; big / 4], big / 4).unwrap()
+    };
+    assert_eq!(backend.allocs(), allocs, "the spare served it");
+    assert!(a1.to_vec().unwrap().iter().all(|&e| e == 3));
+    assert!(a2.to_vec().unwrap().iter().all(|&e| e == 4));
+    drop((a1, a2));
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

@@ -63,18 +63,18 @@
 //! skipped, whatever its size.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
-//! class. When such a block's array drops in a later step than it was made in, the block is kept
-//! as a *spare*, for the next solo array it fits (at most four times as large; at most twice as
-//! large when a new block would take the cache past the most it has held). Spares stay until a device
+//! class. When such a block's array drops in a later step than it was made in, the block is kept as
+//! a *spare*, for the next solo array it fits (at most four times as large; at most twice as large
+//! when a new block would take the cache past the most it has held). Spares stay until a device
 //! allocation of the cache would take it past that mark ([`DeviceArena::high`]): then they go back
 //! to the device first (the smallest that makes room alone, else the oldest, and again), so that
 //! keeping them never raises the cache's peak, and a server's next request finds its predecessor's
 //! keys and values however many steps later it comes. A solo block whose array dropped within its
-//! step goes back at once: the next plan holds its bytes. A solo block's view spans the whole block,
-//! and a spare whose array dropped on the owner thread, used on no other stream, keeps that view
-//! ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a decoder's
-//! cache of keys and values, replaced every step, makes no view at all once its spares go round
-//! (a spare served on another stream first orders that stream after its earlier work, as a
+//! step goes back at once: the next plan holds its bytes. A solo block's view spans the whole
+//! block, and a spare whose array dropped on the owner thread, used on no other stream, keeps that
+//! view ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a
+//! decoder's cache of keys and values, replaced every step, makes no view at all once its spares go
+//! round (a spare served on another stream first orders that stream after its earlier work, as a
 //! recycled buffer is, and gets a new view there).
 //!
 //! # Off the free-list paths

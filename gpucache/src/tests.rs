@@ -87,19 +87,25 @@ fn serve_step(name: &str, prompt: bool) -> u64 {
         (256, 8192, 8)
     };
     let head = Array::from_slice(Device::Cpu, &vec![7u32; first], first).unwrap();
-    let mut chain: Vec<Array<u32>> = Vec::new();
-    for i in 0..n {
-        let len = each + 64 * (i as usize % 3);
+    chain((0..n).map(|i| each + 64 * (i % 3)));
+    assert!(head.to_vec().unwrap().iter().all(|&e| e == 7));
+    drop((head, _scope));
+    views() - before
+}
+
+/// Arrays of `lens` elements in order, each filled with its index and dropped two allocations
+/// later (its values checked then), in the caller's scope.
+fn chain(lens: impl IntoIterator<Item = usize>) {
+    let mut chain: Vec<(Array<u32>, u32)> = Vec::new();
+    for (i, len) in lens.into_iter().enumerate() {
+        let i = i as u32;
         let a = Array::from_slice(Device::Cpu, &vec![i; len], len).unwrap();
         if chain.len() == 2 {
-            let old = chain.remove(0);
-            assert!(old.to_vec().unwrap().iter().all(|&e| e == i - 2));
+            let (old, v) = chain.remove(0);
+            assert!(old.to_vec().unwrap().iter().all(|&e| e == v));
         }
-        chain.push(a);
+        chain.push((a, i));
     }
-    assert!(head.to_vec().unwrap().iter().all(|&e| e == 7));
-    drop((head, chain, _scope));
-    views() - before
 }
 
 /// A scope whose steps alternate between two kinds (a server's prompts and decoding steps)
@@ -133,20 +139,10 @@ fn plans() -> u64 {
     PLANS_MADE.with(std::cell::Cell::get)
 }
 
-/// One step: arrays of `lens` elements in order, each dropped two allocations later (filled,
-/// and checked when it drops).
+/// One step of `name`: a [`chain`] of arrays of `lens` elements.
 fn chain_step(name: &str, lens: &[usize]) {
     let _scope = crate::enter(name);
-    let mut chain: Vec<(Array<u32>, u32)> = Vec::new();
-    for (i, &len) in lens.iter().enumerate() {
-        let i = i as u32;
-        let a = Array::from_slice(Device::Cpu, &vec![i; len], len).unwrap();
-        if chain.len() == 2 {
-            let (old, v) = chain.remove(0);
-            assert!(old.to_vec().unwrap().iter().all(|&e| e == v));
-        }
-        chain.push((a, i));
-    }
+    chain(lens.iter().copied());
 }
 
 /// A step much smaller than its plan that leaves it (its sizes in another order: a smaller

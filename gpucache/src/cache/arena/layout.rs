@@ -16,7 +16,7 @@
 //! owner does not see), so a live array's memory is never handed out twice. The check is O(1)
 //! on a step that follows its plan (no overdue position), O(overdue) otherwise.
 
-use crate::planner::{Lifetime, greedy_by_size};
+use crate::planner::{self, Lifetime, greedy_by_size};
 
 /// [`Rec::end`] of an array still alive.
 pub(super) const OPEN: u32 = u32::MAX;
@@ -70,6 +70,15 @@ impl Spot {
             end: self.end.max(k + 1),
         }
     }
+
+    /// Position `p`, this spot, if still alive: overdue, and listed in `list` (once).
+    #[inline]
+    fn make_overdue(&mut self, p: u32, list: &mut Vec<u32>) {
+        if self.live && !self.overdue {
+            self.overdue = true;
+            list.push(p);
+        }
+    }
 }
 
 /// What the plan says of one allocation.
@@ -120,17 +129,16 @@ pub(super) fn signature(record: &[Rec]) -> u64 {
 /// The most aligned bytes of a step's arrays alive at once, from its record (an array still
 /// alive counts to the end).
 pub(super) fn peak_live(record: &[Rec]) -> usize {
-    let mut ends = vec![0usize; record.len() + 1];
-    for r in record {
-        ends[(r.end as usize).min(record.len())] += r.bytes;
-    }
-    let (mut live, mut peak) = (0usize, 0usize);
-    for (t, r) in record.iter().enumerate() {
-        live -= ends[t];
-        live += r.bytes;
-        peak = peak.max(live);
-    }
-    peak
+    let n = record.len() as u32;
+    let lives: Vec<Lifetime> = (0..n)
+        .zip(record)
+        .map(|(k, r)| Lifetime {
+            bytes: r.bytes,
+            start: k,
+            end: r.end.min(n).max(k + 1),
+        })
+        .collect();
+    planner::peak_live(&lives)
 }
 
 /// Whether two sizes are within a factor of two of each other.
@@ -265,11 +273,7 @@ impl Layout {
 
     #[inline]
     fn make_overdue(&mut self, p: u32) {
-        let s = &mut self.spots[p as usize];
-        if s.live && !s.overdue {
-            s.overdue = true;
-            self.overdue.push(p);
-        }
+        self.spots[p as usize].make_overdue(p, &mut self.overdue);
     }
 
     /// Matches the step's next allocation, of `size` aligned bytes and index `rec` in the
@@ -532,12 +536,8 @@ impl Layout {
     /// no position skipped, to its end or to a position before it (a prefix of the recorded
     /// step: an evaluation step after a training step that begins as it does).
     pub(super) fn end_step(&mut self) -> bool {
-        let overdue = &mut self.overdue;
         for (p, s) in self.spots.iter_mut().enumerate() {
-            if s.live && !s.overdue {
-                s.overdue = true;
-                overdue.push(p as u32);
-            }
+            s.make_overdue(p as u32, &mut self.overdue);
         }
         let followed = !self.skipped && self.cursor > 0;
         self.cursor = 0;

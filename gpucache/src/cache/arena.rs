@@ -660,7 +660,6 @@ impl DeviceArena {
             high: 0,
             awaiting: None,
             unplanned: [0; device::UNPLANNED],
-            unplanned_at: 0,
         }
     }
 
@@ -695,8 +694,9 @@ impl DeviceArena {
         if self.unplanned.contains(&signature) {
             return false;
         }
-        self.unplanned[self.unplanned_at] = signature;
-        self.unplanned_at = (self.unplanned_at + 1) % device::UNPLANNED;
+        // The newest first; the oldest goes.
+        self.unplanned.rotate_right(1);
+        self.unplanned[0] = signature;
         true
     }
 

@@ -131,10 +131,8 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) high: usize,
     pub(super) awaiting: Option<Awaiting>,
     /// The [signatures](super::layout::signature) of the last steps that left their plan and
-    /// were not planned again (see `DeviceArena::end_step`), the oldest overwritten first.
+    /// were not planned again (see `DeviceArena::end_step`), the newest first.
     pub(super) unplanned: [u64; UNPLANNED],
-    /// Where the next signature goes in `unplanned`.
-    pub(super) unplanned_at: usize,
 }
 
 /// How many steps that left their plan unplanned a device remembers.

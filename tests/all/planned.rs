@@ -193,26 +193,47 @@ fn a_longer_sequence_is_served_from_its_plan_scaled_in_one_new_block() {
     assert_eq!(backend.allocs(), allocs + grown);
 }
 
-#[test]
-fn a_longer_sequence_whose_input_holds_the_block_is_served_from_its_free_bytes() {
-    let _serial = serial();
-    let name = "planned-scaled-held";
-    let (backend, _installed) = planned_layers(name, true, false);
-    let allocs = backend.allocs();
-    // The small array, alive through the step, keeps the old block in use: the longer step
-    // takes what fits in the block's free bytes and allocates the rest apart (serving all of it
-    // apart made one allocation per array), each array checked.
+/// Cache `name` planned from two steps of [`layers`] of length 100 (`hold_input` as given),
+/// then one of length 150 that keeps its input through every layer, so that the old block stays
+/// in use: it takes what fits in the block's free bytes and allocates the rest apart, each array
+/// checked, with at most one device allocation for two arrays (serving all of it apart made one
+/// per array).
+fn longer_step_holding_its_input(
+    name: &str,
+    hold_input: bool,
+) -> (Arc<CountingBackend>, gpucache::testing::BackendGuard) {
+    let planned = planned_layers(name, hold_input, false);
+    let allocs = planned.0.allocs();
     layers(name, 150, true);
-    let grown = backend.allocs() - allocs;
+    let grown = planned.0.allocs() - allocs;
     assert!(
         grown > 0 && grown <= 13,
         "{grown} device allocations for 26 arrays: at most one for two"
     );
+    planned
+}
+
+#[test]
+fn a_longer_sequence_whose_input_holds_the_block_is_served_from_its_free_bytes() {
+    let _serial = serial();
+    let name = "planned-scaled-held";
+    // The plan's steps kept their input too: the block is held from the step's divergence on.
+    let (backend, _installed) = longer_step_holding_its_input(name, true);
     // Planned again at its end: the next such steps allocate nothing.
     layers(name, 150, true);
     let allocs = backend.allocs();
     layers(name, 150, true);
     assert_eq!(backend.allocs(), allocs);
+}
+
+#[test]
+fn a_longer_step_whose_first_array_outlives_its_plan_stops_waiting_for_the_block() {
+    let _serial = serial();
+    // The plan's steps dropped their input at once; this longer one keeps it (as a training
+    // step keeps an attention mask), so the plan says the block is about to be unused. The step
+    // waits for it only until half the plan's footprint went apart, then takes the block's free
+    // bytes.
+    let _planned = longer_step_holding_its_input("planned-scaled-wait", false);
 }
 
 #[test]
@@ -705,6 +726,51 @@ fn together(name: &str, sizes: &[usize]) -> Vec<usize> {
         assert!(common::all_eq(a, i as u8));
     }
     arrays.iter().map(addr).collect()
+}
+
+/// A step of `sizes` bytes, each array dropped once the next one is made, each filled and
+/// checked.
+fn pairs(name: &str, sizes: &[usize]) {
+    let _scope = gpucache::enter(name);
+    let mut last: Option<(u8, Array<u8>)> = None;
+    for (i, &n) in sizes.iter().enumerate() {
+        let a = filled(DEV, i as u8, n);
+        if let Some((v, b)) = &last {
+            assert!(common::all_eq(b, *v), "array {v} was overwritten");
+        }
+        last = Some((i as u8, a));
+    }
+}
+
+#[test]
+fn a_plan_is_not_merged_with_one_of_another_arrangement_into_more_than_either() {
+    let _serial = serial();
+    let name = "planned-arrangement";
+    let (backend, _installed) = planned(name, None);
+    let big = 64 << 10;
+    // As many arrays in two arrangements: the large one first, or second. Merged position by
+    // position, the plan would hold two large arrays alive together, twice what either needs.
+    let first = [big, 4096, 4096, 4096];
+    let second = [4096, big, 4096, 4096];
+    pairs(name, &first);
+    pairs(name, &first);
+    for _ in 0..3 {
+        pairs(name, &second);
+    }
+    backend.reset_peak();
+    let allocs = backend.allocs();
+    pairs(name, &second);
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "the second arrangement settles on a plan"
+    );
+    assert!(
+        backend.peak_bytes() < big + big / 2,
+        "{} bytes held for steps of {} bytes alive at once",
+        backend.peak_bytes(),
+        big + 4096
+    );
 }
 
 #[test]

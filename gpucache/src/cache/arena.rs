@@ -18,13 +18,19 @@
 //! the ratio in which the step grew ([`Layout::scale`]), serves the rest of the step from one new
 //! block. The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
 //! offsets, and the views made at them, stay); else the next plan keeps the block when it fits.
-//! Any other step (another order, extra or missing allocations, an array kept alive), or one
-//! that outgrew its plan while arrays planned to live through most of it hold the block, is
-//! served from the block's free ranges ([`Gaps`]); an allocation they cannot hold gets a solo
-//! block (and, in a step that did not outgrow its plan, closes them). So a fixed-shape loop
-//! settles on one plan after its second step, and a loop whose sizes vary settles on one that
-//! fits its largest step, with one block allocated per step larger than every one before it
-//! rather than one per array.
+//! Any other step (another order, extra or missing allocations, an array kept alive) is served
+//! from the block's free ranges ([`Gaps`]), and so is a step that outgrew its plan when waiting
+//! for the block would cost too much: arrays planned to live past the first eighth of the rest
+//! of the step hold it (a training step's forward pass, an attention mask), or half the plan's
+//! footprint went apart while waiting. An allocation the gaps cannot hold gets a solo block;
+//! the gaps close for it only when no array uses the block and the plan can be scaled (then the
+//! block goes back, and the scaled plan serves the rest). A plan made again is merged with the
+//! old one position by position (each position's largest size) when the step matched it so, but
+//! not when the merged plan would hold an eighth more than both the old plan and the step's
+//! peak (as many allocations in another arrangement). So a fixed-shape loop settles on one plan
+//! after its second step, and a loop whose sizes vary settles on one that fits its largest
+//! step, with one block allocated per step larger than every one before it rather than one per
+//! array.
 //!
 //! # Positions that grow, and kinds of step
 //!
@@ -650,6 +656,7 @@ impl DeviceArena {
             replan: false,
             overflowed: false,
             grown: 0,
+            waited: 0,
             outgrew: false,
             scaled: false,
             keep_gaps: false,
@@ -978,6 +985,48 @@ impl DeviceArena {
             .is_some_and(|(b, in_use)| self.detach(st, b, in_use, true))
     }
 
+    /// Whether a step that outgrew its plan may go on from the plan scaled as it grew, in a new
+    /// block, once the plan's block is unused: it has not reached the middle of the plan, and it
+    /// matched the plan position by position ([`Layout::scales`]).
+    fn may_scale(&self) -> bool {
+        self.plan.as_ref().is_some_and(|p| {
+            2 * u64::from(self.tick) < p.layout.len() as u64 && p.layout.scales(&self.record)
+        })
+    }
+
+    /// The step outgrew its plan and gave up waiting for its block to be unused: the block's
+    /// free bytes serve the rest of the step, and stay open however many arrays do not fit
+    /// them. Returns whether the gaps opened (the block exists and may be used on the step's
+    /// stream).
+    fn gaps_instead(&mut self) -> bool {
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
+        if plan.open_gaps().is_err() || plan.gaps.is_none() {
+            return false;
+        }
+        self.outgrew = false;
+        self.keep_gaps = true;
+        true
+    }
+
+    /// An allocation of `size` aligned bytes goes apart while the step, which outgrew its plan,
+    /// waits for the plan's block to be unused: once half the plan's footprint went apart so,
+    /// the block's gaps serve the rest instead (a detection model's feature maps hold the block
+    /// through its heads; an inference step's first arrays die within a few layers).
+    fn wait_for_block(&mut self, size: usize) {
+        let Some(plan) = &self.plan else {
+            return;
+        };
+        if !self.outgrew || plan.block.is_none() || plan.gaps.is_some() {
+            return;
+        }
+        self.waited += size;
+        if self.waited > plan.layout.footprint / 2 {
+            self.gaps_instead();
+        }
+    }
+
     /// Drops the plan (its block detached). Returns whether the block was retired.
     fn drop_plan(&mut self, st: &Counters) -> bool {
         self.shelf.clear();
@@ -1025,10 +1074,17 @@ impl DeviceArena {
             let same = old
                 .as_ref()
                 .is_none_or(|p| p.layout.same_kind(&self.record));
-            let mut layout = Layout::new(
-                &self.record,
-                old.as_ref().filter(|_| same).map(|p| &p.layout),
-            );
+            let merged = old.as_ref().filter(|_| same).map(|p| &p.layout);
+            let mut layout = Layout::new(&self.record, merged);
+            if let Some(o) = merged {
+                // Merged with the old plan position by position, a plan may hold more than
+                // either (as many allocations in another arrangement: each position takes the
+                // larger of two unrelated sizes): then the step's own plan.
+                let bound = o.footprint.max(layout::peak_live(&self.record));
+                if layout.footprint > bound + bound / 8 {
+                    layout = Layout::new(&self.record, None);
+                }
+            }
             #[cfg(test)]
             PLANS_MADE.with(|n| n.set(n.get() + 1));
             layout.cold = old.is_none();
@@ -1086,6 +1142,7 @@ impl DeviceArena {
         self.grown = 0;
         self.outgrew = false;
         self.scaled = false;
+        self.waited = 0;
         self.keep_gaps = false;
         self.awaiting = None;
         let step = self.step;
@@ -1180,12 +1237,12 @@ impl CacheState {
                         // Larger than planned (or past the plan's end), the step outgrows the
                         // plan: its block goes back once unused, and the rest of the step is
                         // served apart until then, then from the plan scaled as the step grew,
-                        // in a new block. Else, or when arrays planned to live through most of
-                        // the rest hold the block, or when the step outgrows a scaled plan,
-                        // the block's free bytes serve it.
+                        // in a new block. Else, or when arrays planned to live past the first
+                        // eighth of the rest hold the block, or when the step outgrows a scaled
+                        // plan, the block's free bytes serve it.
                         let grew = size > plan.layout.range(pos).len()
                             && plan.layout.outgrown(&a.record, plan.block_bytes());
-                        let held = grew && plan.layout.held_past_half(rec);
+                        let held = grew && plan.layout.held_long(rec);
                         if (!grew || held || a.scaled)
                             && let Err(e) = plan.open_gaps()
                         {
@@ -1220,8 +1277,11 @@ impl CacheState {
                     }
                     if again {
                         capacity = size_class_within(size);
-                    } else if let Some(got) = self.gap_view(st, i, req, rec, size) {
-                        return got;
+                    } else {
+                        self.arenas.devices[i].wait_for_block(size);
+                        if let Some(got) = self.gap_view(st, i, req, rec, size) {
+                            return got;
+                        }
                     }
                 }
             }
@@ -1314,13 +1374,17 @@ impl CacheState {
         let plan = a.plan.as_mut()?;
         let arena = plan.block?;
         let Some(offset) = plan.gaps.as_mut()?.take(rec, size) else {
-            if a.keep_gaps {
-                // The step outgrew its plan: this array goes apart, and the gaps serve the
-                // rest while they can.
+            if a.keep_gaps || plan.block_in_use() || !a.may_scale() {
+                // The step outgrew its plan, or its arrays hold the block, or it cannot follow
+                // the plan scaled: this array goes apart, and the gaps serve the rest while
+                // they can.
                 return None;
             }
-            // The step outgrows the block: the rest goes apart, and the block back to the
-            // device once no array uses it.
+            let Some(plan) = &mut a.plan else {
+                return None;
+            };
+            // The step outgrows the block, which no array uses: the block goes back to the
+            // device, and the plan scaled serves the rest of the step.
             plan.gaps = None;
             a.outgrew = true;
             self.live += usize::from(a.release_unused_block(st));

@@ -106,6 +106,9 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) outgrew: bool,
     /// The step outgrew its plan and follows the plan scaled as it grew.
     pub(super) scaled: bool,
+    /// Aligned bytes the step served apart since it outgrew its plan, while waiting for the
+    /// plan's block to be unused.
+    pub(super) waited: usize,
     /// The step outgrew its plan (or its scaled plan) and is served from a block's gaps: an
     /// allocation no gap holds goes apart, and the gaps stay open.
     pub(super) keep_gaps: bool,

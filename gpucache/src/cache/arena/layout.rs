@@ -30,6 +30,10 @@ const SCALE_MARGIN: u128 = 64;
 /// The most positions planned apart that one allocation skips to find its own.
 const MAX_SKIP: u32 = 256;
 
+/// The fewest positions apart in a row, none recurring, that an allocation skips whatever its
+/// size (an optimizer's state, made in the first step only): see [`Layout::skips_run`].
+const STATE_RUN: u32 = 8;
+
 /// One allocation of a step as recorded: its aligned size, the tick before which it dropped
 /// ([`OPEN`] while alive), and the plan's position it was matched with ([`NONE`] if none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,6 +295,13 @@ impl Layout {
                 return (Serve::Diverged, NONE);
             };
             if s.apart {
+                if !s.recurs
+                    && let Some(p) = self.skips_run(c, size)
+                {
+                    self.skipped = true;
+                    c = p;
+                    continue;
+                }
                 if !s.recurs && !near(size, s.size) && self.skips_to(c, size) {
                     self.skipped = true;
                     c += 1;
@@ -317,6 +328,24 @@ impl Layout {
             .get(lo..hi)
             .and_then(|after| after.iter().find(|s| !s.apart || near(size, s.size)))
             .is_some_and(|s| near(size, s.size))
+    }
+
+    /// The position past the run of positions apart that begins at `c`, when the run is long
+    /// (at least [`STATE_RUN`], none recurring, ending within [`MAX_SKIP`]) and the position
+    /// after it is placed, near `size` and fits it: the recorded step made arrays there that
+    /// this one does not, however like this allocation's their sizes are. A training step's
+    /// first step makes its optimizer's state in the middle of the step, one or two arrays the
+    /// size of each parameter, and the next steps make their temporaries the size of each
+    /// parameter there; matched with the state's positions, one by one, they would all go
+    /// apart. A cache of keys and values comes one or two arrays at a time between a layer's
+    /// scratch (too short a run), and recurs once matched.
+    fn skips_run(&self, c: u32, size: usize) -> Option<u32> {
+        let hi = (c.saturating_add(MAX_SKIP) as usize).min(self.spots.len());
+        let after = self.spots.get(c as usize..hi)?;
+        let run = after.iter().position(|s| !s.apart || s.recurs)?;
+        let s = &after[run];
+        (run as u32 >= STATE_RUN && !s.apart && size <= s.size && near(size, s.size))
+            .then_some(c + run as u32)
     }
 
     /// The hit path of [`Layout::next`]: the offset and position of the next allocation when it
@@ -422,6 +451,27 @@ impl Layout {
         Some(((asked, planned), largest))
     }
 
+    /// The ratio (asked, planned) in which the step recorded so far as `record` outgrew the
+    /// plan, when [`Layout::scale`] may scale it (see there).
+    fn scaling(&self, record: &[Rec]) -> Option<(u128, u128)> {
+        let unconfirmed = self.cold && !self.confirmed;
+        let ((asked, planned), largest) = self
+            .growth(record)
+            .filter(|&((a, p), _)| a > p && !(unconfirmed && a > 2 * p))?;
+        // The largest array's ratio when larger: the small ones' sizes are rounded up to the
+        // alignment, which makes them look as if they grew less.
+        Some(if largest.0 * planned > asked * largest.1 {
+            largest
+        } else {
+            (asked, planned)
+        })
+    }
+
+    /// Whether [`Layout::scale`] would scale the plan for the step recorded so far as `record`.
+    pub(super) fn scales(&self, record: &[Rec]) -> bool {
+        self.scaling(record).is_some()
+    }
+
     /// Scales the plan by the ratio in which the step recorded so far as `record` outgrew it,
     /// for the rest of that step in a new block. Returns whether it did: the step was matched
     /// with the plan position by position and asked for more than its positions hold, and a
@@ -433,19 +483,8 @@ impl Layout {
     /// alignment. That map is monotone, so positions whose ranges were disjoint stay disjoint,
     /// and the layout stays a valid plan whatever the ratio.
     pub(super) fn scale(&mut self, record: &[Rec]) -> bool {
-        let unconfirmed = self.cold && !self.confirmed;
-        let Some(((asked, planned), largest)) = self
-            .growth(record)
-            .filter(|&((a, p), _)| a > p && !(unconfirmed && a > 2 * p))
-        else {
+        let Some((asked, planned)) = self.scaling(record) else {
             return false;
-        };
-        // The largest array's ratio when larger: the small ones' sizes are rounded up to the
-        // alignment, which makes them look as if they grew less.
-        let (asked, planned) = if largest.0 * planned > asked * largest.1 {
-            largest
-        } else {
-            (asked, planned)
         };
         let asked = asked + asked / SCALE_MARGIN;
         let scaled = |x: usize| {
@@ -466,14 +505,16 @@ impl Layout {
         true
     }
 
-    /// Whether an array alive at tick `t` is planned to live past the middle of the rest of the
-    /// step: the block it is in stays in use for most of the step.
-    pub(super) fn held_past_half(&self, t: u32) -> bool {
+    /// Whether an array alive at tick `t` is planned to live past the first eighth of the rest
+    /// of the step: the block it is in stays in use too long for the step to wait for it (a
+    /// training step's first arrays live through its forward pass, an attention mask through
+    /// every layer; an inference step's first arrays die within a few layers).
+    pub(super) fn held_long(&self, t: u32) -> bool {
         let n = self.spots.len() as u32;
-        let half = t.saturating_add(n.saturating_sub(t) / 2);
+        let soon = t.saturating_add(n.saturating_sub(t) / 8);
         self.spots
             .iter()
-            .any(|s| s.live && !s.apart && s.end > half)
+            .any(|s| s.live && !s.apart && s.end > soon)
     }
 
     /// The bytes of position `k` in the block.
@@ -699,6 +740,45 @@ mod tests {
     }
 
     #[test]
+    fn a_long_run_apart_is_skipped_for_the_placed_position_after_it() {
+        // A first training step: scratch, then its optimizer's state (two arrays the size of
+        // each of four parameters, apart), then temporaries the size of each parameter.
+        let params = [4096, 1024, 4096, 2048];
+        let first_step = |state_per_param: usize| {
+            let mut first = vec![rec(256, 1)];
+            for &p in &params {
+                first.extend((0..state_per_param).map(|_| rec(p, OPEN)));
+            }
+            let n = first.len() as u32;
+            first.extend(
+                params
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &p)| rec(p, n + k as u32 + 1)),
+            );
+            first
+        };
+        let mut l = Layout::new(&first_step(2), None);
+        assert!(at(&mut l, 256).is_some());
+        l.dropped(0);
+        // The next step's temporaries are as large as the state's arrays, but the run of eight
+        // apart is skipped: they take the placed positions after it.
+        for (k, &p) in params.iter().enumerate() {
+            let (serve, pos) = l.next(p, 1 + k as u32);
+            assert!(
+                matches!(serve, Serve::At(_)) && pos == 9 + k as u32,
+                "{k}: {pos}"
+            );
+            l.dropped(pos);
+        }
+        assert!(l.skipped);
+        // Four apart in a row (a layer's keys and values): matched as they are.
+        let mut l = Layout::new(&first_step(1), None);
+        assert!(at(&mut l, 256).is_some());
+        assert_eq!(l.next(4096, 1), (Serve::Apart, 1));
+    }
+
+    #[test]
     fn an_array_apart_is_skipped_only_for_a_later_position_near_the_request() {
         let first = vec![rec(65536, OPEN), rec(1024, 2), rec(4096, 3)];
         // 1024 is not near 65536 but is the next placed position's size: skipped.
@@ -840,15 +920,17 @@ mod tests {
     }
 
     #[test]
-    fn a_block_is_held_by_an_array_planned_to_live_past_half_the_rest() {
-        // a lives to tick 3 of 4 (past the middle), b to tick 2.
-        let record = vec![rec(256, 3), rec(256, 2), rec(512, 3), rec(256, 4)];
+    fn a_block_is_held_by_an_array_planned_to_live_past_an_eighth_of_the_rest() {
+        // Of 18 positions, a lives to tick 4 (past the first eighth of the rest after tick 1,
+        // 1 + 17/8 = 3), b to tick 3.
+        let mut record = vec![rec(256, 4), rec(256, 3)];
+        record.extend((2..18).map(|t| rec(256, t + 1)));
         let mut l = Layout::new(&record, None);
         assert!(at(&mut l, 256).is_some());
-        assert!(l.held_past_half(1), "a ends at 3, past 1 + 3/2");
+        assert!(l.held_long(1), "a ends at 4, past 1 + 17/8");
         l.dropped(0);
         assert!(at(&mut l, 256).is_some());
-        assert!(!l.held_past_half(1), "b ends at 2");
+        assert!(!l.held_long(1), "b ends at 3");
     }
 
     #[test]

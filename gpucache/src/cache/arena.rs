@@ -981,23 +981,33 @@ impl DeviceArena {
         if plan.block.is_none() || plan.block_in_use() {
             return false;
         }
+        if self.outgrew && !self.may_scale() && self.gaps_instead() {
+            return false;
+        }
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
         plan.take_block()
             .is_some_and(|(b, in_use)| self.detach(st, b, in_use, true))
     }
 
     /// Whether a step that outgrew its plan may go on from the plan scaled as it grew, in a new
     /// block, once the plan's block is unused: it has not reached the middle of the plan, and it
-    /// matched the plan position by position ([`Layout::scales`]).
+    /// matched the plan position by position ([`Layout::scales`]). Else the block, once unused,
+    /// is kept, and serves the rest of the step from its gaps ([`DeviceArena::gaps_instead`]).
     fn may_scale(&self) -> bool {
-        self.plan.as_ref().is_some_and(|p| {
-            2 * u64::from(self.tick) < p.layout.len() as u64 && p.layout.scales(&self.record)
-        })
+        // The step's latest allocation, as the scaled plan's first one is checked.
+        let rec = u64::from(self.tick.saturating_sub(1));
+        self.plan
+            .as_ref()
+            .is_some_and(|p| 2 * rec < p.layout.len() as u64 && p.layout.scales(&self.record))
     }
 
-    /// The step outgrew its plan and gave up waiting for its block to be unused: the block's
-    /// free bytes serve the rest of the step, and stay open however many arrays do not fit
-    /// them. Returns whether the gaps opened (the block exists and may be used on the step's
-    /// stream).
+    /// The step outgrew its plan and gave up waiting for its block to be unused, or cannot
+    /// follow the plan scaled: the block's free bytes serve the rest of the step, and stay open
+    /// however many arrays do not fit them (unless the block holds nothing when one would take
+    /// the cache past its peak: [`DeviceArena::close_unused_gaps`]). Returns whether the gaps
+    /// opened (the block exists and may be used on the step's stream).
     fn gaps_instead(&mut self) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
@@ -1008,6 +1018,24 @@ impl DeviceArena {
         self.outgrew = false;
         self.keep_gaps = true;
         true
+    }
+
+    /// The plan's block, serving the rest of the step from its gaps, goes back to the device
+    /// if no array uses it: an allocation apart would take the cache past the most it has held
+    /// ([`DeviceArena::high`]), and a block that holds nothing must not raise the peak. Returns
+    /// whether the block was retired.
+    fn close_unused_gaps(&mut self, st: &Counters) -> bool {
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
+        if plan.gaps.is_none() || plan.block_in_use() {
+            return false;
+        }
+        plan.gaps = None;
+        self.keep_gaps = false;
+        self.outgrew = true;
+        plan.take_block()
+            .is_some_and(|(b, in_use)| self.detach(st, b, in_use, true))
     }
 
     /// An allocation of `size` aligned bytes goes apart while the step, which outgrew its plan,
@@ -1288,6 +1316,10 @@ impl CacheState {
         }
         let a = &mut self.arenas.devices[i];
         let pos = rec.min(NO_POSITION);
+        if a.keep_gaps && a.would_pass_high(st, capacity) {
+            self.live += usize::from(a.close_unused_gaps(st));
+        }
+        let a = &mut self.arenas.devices[i];
         if let Some(held) = a.take_spare(st, size, capacity) {
             add(&st.hits, 1);
             return match held {

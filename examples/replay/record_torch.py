@@ -27,6 +27,8 @@ Built-in models (random weights, from configs; no network needed)::
     python3 examples/replay/record_torch.py gpt2-train resnet-train bert-infer gpt2-decode \
         vit-train effnet-infer llama-serve convnext-infer opt-serve \
         bert-eager-infer gpt2-infer resnet18-infer vit-infer \
+        t5-train llama-ckpt-train bert-dynpad swin-infer densenet-infer frcnn-infer \
+        mistral-decode \
         --out /tmp/logs            # writes /tmp/logs/<model>.csv.gz
     python3 examples/replay/record_torch.py tiny --out /tmp   # a self-check of the recorder
 
@@ -550,6 +552,157 @@ def record_vit_infer(out):
     return record_vision_infer(out, "vit_infer", torchvision.models.vit_b_16, 32, 14)
 
 
+def record_adamw_train(out, name, model, loss, steps, bf16=False):
+    """Records `steps` training steps of `model` (moved to the GPU) into `<out>/<name>.csv.gz`:
+    `loss(model)` (under bf16 autocast if `bf16`), its backward pass, and an AdamW step."""
+    model = model.to(torch.device("cuda")).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            value = loss(model)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return record_training(step, steps, os.path.join(out, f"{name}.csv.gz"))
+
+
+def record_t5_train(out, steps=8, batch=16, src=256, tgt=64):
+    """T5-small (an encoder-decoder) trained with AdamW on fixed-length inputs and targets."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(num_layers=6, num_heads=8, decoder_start_token_id=0, pad_token_id=0)
+    x = torch.randint(1, cfg.vocab_size, (batch, src), device="cuda")
+    y = torch.randint(1, cfg.vocab_size, (batch, tgt), device="cuda")
+
+    def loss(m):
+        return m(input_ids=x, labels=y).loss
+
+    return record_adamw_train(out, "t5_train", T5ForConditionalGeneration(cfg), loss, steps)
+
+
+def record_llama_ckpt_train(out, steps=8, batch=4, seq=512):
+    """A Llama-style decoder (8 layers, 768 wide, GQA 12/4) trained with gradient checkpointing,
+    bf16 autocast and AdamW (its first step makes the optimizer's state in the middle)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+
+    def loss(m):
+        return m(input_ids=ids, labels=ids).loss
+
+    return record_adamw_train(out, "llama_ckpt_train", model, loss, steps, bf16=True)
+
+
+def record_bert_dynpad(out, steps=12, batch=16):
+    """BERT-base fine-tuned for classification with dynamic padding: every batch's sequence
+    length varies (32 to 256), forward, backward and AdamW each step."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = BertForSequenceClassification(BertConfig(num_labels=4)).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(21)
+    lengths = torch.randint(32, 257, (steps,), generator=gen).tolist()
+    print(f"bert-dynpad: lengths {lengths}", flush=True)
+    data = [
+        (
+            torch.randint(0, 30522, (batch, n), generator=gen),
+            torch.randint(0, 4, (batch,), generator=gen),
+        )
+        for n in lengths
+    ]
+    rec = Recorder("train_step")
+    with rec:
+        for ids, labels in data:
+            with rec.step():
+                loss = model(input_ids=ids.to(dev), labels=labels.to(dev)).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return rec.write(os.path.join(out, "bert_dynpad.csv.gz"))
+
+
+def record_swin_infer(out):
+    """timm's Swin-T in inference, the batch varying every step (1 to 48 images)."""
+    import timm
+
+    def make():
+        return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False)
+
+    return record_vision_infer(out, "swin_infer", make, 48, 22)
+
+
+def record_densenet_infer(out):
+    import torchvision
+
+    return record_vision_infer(out, "densenet_infer", torchvision.models.densenet121, 64, 23)
+
+
+def record_frcnn_infer(out, steps=10):
+    """torchvision's Faster R-CNN (MobileNetV3 backbone) detecting in two images a step, each
+    step's images of another size (320 to 800 pixels a side)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    detection = torchvision.models.detection
+    model = detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None)
+    model = model.to(dev).eval()
+    gen = torch.Generator().manual_seed(24)
+    sizes = [tuple(torch.randint(320, 801, (2,), generator=gen).tolist()) for _ in range(steps)]
+    print(f"frcnn-infer: sizes {sizes}", flush=True)
+    rec = Recorder("infer")
+    with torch.no_grad(), rec:
+        for h, w in sizes:
+            with rec.step():
+                found = model([torch.rand(3, h, w, device=dev) for _ in range(2)])
+                sum(float(d["scores"].sum()) for d in found)
+    return rec.write(os.path.join(out, "frcnn_infer.csv.gz"))
+
+
+def record_mistral_decode(out, batch=8, prompt=128, tokens=64):
+    """A Mistral-style decoder (8 layers, 1024 wide, GQA 16/8) in fp16, greedy decoding with
+    `use_cache`: the 128-token prompt, then one token a step."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = MistralConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
+    model = MistralForCausalLM(cfg).to(dev).half().eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=dev)
+    state = {"past": None, "next": ids}
+    rec = Recorder("decode")
+    with torch.no_grad(), rec:
+        for _ in range(tokens + 1):  # the prompt, then one token a step
+            with rec.step():
+                o = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
+                state["past"] = o.past_key_values
+                state["next"] = o.logits[:, -1:].argmax(-1)
+        state.clear()
+    return rec.write(os.path.join(out, "mistral_decode.csv.gz"))
+
+
 MODELS = {
     "bert-eager-infer": record_bert_eager_infer,
     "gpt2-infer": record_gpt2_infer,
@@ -565,6 +718,13 @@ MODELS = {
     "resnet-train": record_resnet_train,
     "bert-infer": record_bert_infer,
     "gpt2-decode": record_gpt2_decode,
+    "t5-train": record_t5_train,
+    "llama-ckpt-train": record_llama_ckpt_train,
+    "bert-dynpad": record_bert_dynpad,
+    "swin-infer": record_swin_infer,
+    "densenet-infer": record_densenet_infer,
+    "frcnn-infer": record_frcnn_infer,
+    "mistral-decode": record_mistral_decode,
 }
 
 

@@ -22,15 +22,17 @@
 //! from the block's free ranges ([`Gaps`]), and so is a step that outgrew its plan when waiting
 //! for the block would cost too much: arrays planned to live past the first eighth of the rest
 //! of the step hold it (a training step's forward pass, an attention mask), or half the plan's
-//! footprint went apart while waiting. An allocation the gaps cannot hold gets a solo block;
-//! the gaps close for it only when no array uses the block and the plan can be scaled (then the
-//! block goes back, and the scaled plan serves the rest). A plan made again is merged with the
-//! old one position by position (each position's largest size) when the step matched it so, but
-//! not when the merged plan would hold an eighth more than both the old plan and the step's
-//! peak (as many allocations in another arrangement). So a fixed-shape loop settles on one plan
-//! after its second step, and a loop whose sizes vary settles on one that fits its largest
-//! step, with one block allocated per step larger than every one before it rather than one per
-//! array.
+//! footprint went apart while waiting, or by the time the block is unused the step can no
+//! longer follow the plan scaled (it left the plan's order, or passed its middle; the block
+//! goes back after all if it holds nothing when an array apart would take the cache past its
+//! peak). An allocation the gaps cannot hold gets a solo block; the gaps close for it only when
+//! no array uses the block and the plan can be scaled (then the block goes back, and the scaled
+//! plan serves the rest). A plan made again is merged with the old one position by position
+//! (each position's largest size) when the step matched it so, but not when the merged plan
+//! would hold an eighth more than both the old plan and the step's peak (as many allocations in
+//! another arrangement). So a fixed-shape loop settles on one plan after its second step, and a
+//! loop whose sizes vary settles on one that fits its largest step, with one block allocated per
+//! step larger than every one before it rather than one per array.
 //!
 //! # Positions that grow, and kinds of step
 //!

@@ -20,6 +20,8 @@ const LOGS: &[(&str, f64)] = &[
     ("gpt2_train", 1.10),
     ("resnet50_train", 1.10),
     ("vit_train", 1.10),
+    ("t5_train", 1.10),
+    ("llama_ckpt_train", 1.10),
     ("bert_infer", 1.10),
     ("effnet_infer", 1.10),
     ("convnext_infer", 1.10),
@@ -30,6 +32,7 @@ const LOGS: &[(&str, f64)] = &[
     ("gpt2_decode", 1.5),
     ("llama_serve", 1.5),
     ("opt_serve", 1.5),
+    ("mistral_decode", 1.5),
 ];
 
 /// Sets the fixtures' caches back to the default when dropped (even on a failure), for the tests

@@ -182,10 +182,17 @@
 //!   largest size. Until then, if it outgrew the plan (the same allocations, larger in all: a
 //!   longer sequence, a larger batch), the plan's block is given back as soon as no array uses
 //!   it, and the rest of the step follows the plan scaled by the ratio in which the step grew,
-//!   in one new block (an array larger than its scaled place is served apart); while arrays
-//!   planned to live through most of the step keep the old block in use, or if the step did not
-//!   outgrow the plan (an array kept alive, another order, extra allocations), the rest is
-//!   served from the block's free bytes while they hold it.
+//!   in one new block (an array larger than its scaled place is served apart). When waiting
+//!   for the old block would cost too much (arrays planned to live past the first eighth of the
+//!   rest of the step keep it in use, half its size went apart while waiting, or the step can no
+//!   longer follow the plan scaled), or if the step did not outgrow the plan (an array kept
+//!   alive, another order, extra allocations), the rest is served from the block's free bytes
+//!   while they hold it. A plan made again is merged with the old one position by position,
+//!   unless the merged plan would hold an eighth more than both (another arrangement).
+//! * **A first step's arrays that later steps do not make** (a training step's first step makes
+//!   its optimizer's state in the middle of the step): a long run of positions apart is skipped
+//!   for the position after it, so that the next steps' temporaries of the same sizes are
+//!   planned, not served apart one by one.
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
 //!   plan each, up to four, sharing the block: a step's first allocation picks the plan made
 //!   for steps like it. A step that follows its plan and ends early (evaluation after training,

@@ -1058,6 +1058,32 @@ fn one_at_a_time(name: &str, big: usize) {
 }
 
 #[test]
+fn a_step_that_outgrows_its_plan_past_its_middle_is_served_from_the_unused_block() {
+    let _serial = serial();
+    let name = "planned-late-growth";
+    let (backend, _installed) = planned(name, None);
+    // Ten arrays one at a time, the third four times the others: the plan's block holds the
+    // third, and every other array takes its first bytes.
+    let sizes = |late: usize| -> Vec<usize> {
+        (0..10)
+            .map(|i| match i {
+                2 => 16384,
+                6 => late,
+                _ => 4096,
+            })
+            .collect()
+    };
+    sequence(name, &sizes(4096));
+    sequence(name, &sizes(4096));
+    let allocs = backend.allocs();
+    // The seventh array is twice its place, past the step's middle: too late for the plan
+    // scaled, so the block, unused, serves the rest of the step from its bytes (given back, it
+    // made one device allocation per array left), each array filled and checked.
+    sequence(name, &sizes(8192));
+    assert_eq!(backend.allocs(), allocs, "served from the plan's block");
+}
+
+#[test]
 fn a_block_given_up_never_raises_the_peak() {
     let _serial = serial();
     let name = "planned-given-up-peak";

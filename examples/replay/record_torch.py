@@ -28,7 +28,7 @@ Built-in models (random weights, from configs; no network needed)::
         vit-train effnet-infer llama-serve convnext-infer opt-serve \
         bert-eager-infer gpt2-infer resnet18-infer vit-infer \
         t5-train llama-ckpt-train bert-dynpad swin-infer densenet-infer frcnn-infer \
-        mistral-decode \
+        mistral-decode mobilenet-vary-train resnet-epochs-train gpt2-vary-train \
         --out /tmp/logs            # writes /tmp/logs/<model>.csv.gz
     python3 examples/replay/record_torch.py tiny --out /tmp   # a self-check of the recorder
 
@@ -606,15 +606,31 @@ def record_llama_ckpt_train(out, steps=8, batch=4, seq=512):
     return record_adamw_train(out, "llama_ckpt_train", model, loss, steps, bf16=True)
 
 
+def record_vary_train(out, name, model, data, loss, opt=None):
+    """Trains `model` (moved to the GPU) one step per item of `data` (its shapes vary), each a
+    scope named `train_step`: `loss(model, item)`, its backward pass, and an optimizer step
+    (AdamW unless `opt(params)` makes another). The loss stays alive until the next step's
+    replaces it, as in a training loop that reads it later: writes `<out>/<name>.csv.gz`."""
+    model = model.to(torch.device("cuda")).train()
+    opt = (opt or (lambda p: torch.optim.AdamW(p, lr=1e-5)))(model.parameters())
+    rec = Recorder("train_step")
+    with rec:
+        for item in data:
+            with rec.step():
+                value = loss(model, item)
+                value.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        del value
+    return rec.write(os.path.join(out, f"{name}.csv.gz"))
+
+
 def record_bert_dynpad(out, steps=12, batch=16):
     """BERT-base fine-tuned for classification with dynamic padding: every batch's sequence
     length varies (32 to 256), forward, backward and AdamW each step."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    model = BertForSequenceClassification(BertConfig(num_labels=4)).to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(21)
     lengths = torch.randint(32, 257, (steps,), generator=gen).tolist()
     print(f"bert-dynpad: lengths {lengths}", flush=True)
@@ -625,15 +641,75 @@ def record_bert_dynpad(out, steps=12, batch=16):
         )
         for n in lengths
     ]
-    rec = Recorder("train_step")
-    with rec:
-        for ids, labels in data:
-            with rec.step():
-                loss = model(input_ids=ids.to(dev), labels=labels.to(dev)).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    return rec.write(os.path.join(out, "bert_dynpad.csv.gz"))
+
+    def loss(m, item):
+        ids, labels = item
+        return m(input_ids=ids.cuda(), labels=labels.cuda()).loss
+
+    model = BertForSequenceClassification(BertConfig(num_labels=4))
+    return record_vary_train(out, "bert_dynpad", model, data, loss)
+
+
+def record_images_train(out, name, model, batches, seed, size=224, classes=1000):
+    """`model` trained with SGD (momentum) on random images, `batches[i]` of them in step i."""
+    gen = torch.Generator().manual_seed(seed)
+    data = [
+        (torch.randn(b, 3, size, size, generator=gen), torch.randint(0, classes, (b,)))
+        for b in batches
+    ]
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def loss(m, item):
+        x, y = item
+        return lossf(m(x.cuda()), y.cuda())
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    return record_vary_train(out, name, model, data, loss, sgd)
+
+
+def record_mobilenet_vary_train(out, steps=12):
+    """torchvision's MobileNetV3-Large trained with SGD on a batch that varies every step (8 to
+    64 images): the loss of each step is alive when the next begins."""
+    import torchvision
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(31)
+    batches = torch.randint(8, 65, (steps,), generator=gen).tolist()
+    print(f"mobilenet-vary-train: batches {batches}", flush=True)
+    model = torchvision.models.mobilenet_v3_large()
+    return record_images_train(out, "mobilenet_vary_train", model, batches, 32)
+
+
+def record_resnet_epochs_train(out, epochs=3, batch=48, last=20):
+    """torchvision's ResNet-18 trained for a few short epochs without `drop_last`: three full
+    batches, then the remainder (a smaller batch), every epoch."""
+    import torchvision
+
+    torch.manual_seed(0)
+    batches = ([batch] * 3 + [last]) * epochs
+    model = torchvision.models.resnet18()
+    return record_images_train(out, "resnet_epochs_train", model, batches, 33)
+
+
+def record_gpt2_vary_train(out, steps=12, batch=8):
+    """GPT-2 (6 layers, 512 wide) trained with AdamW on sequences whose length varies every step
+    (64 to 512 tokens)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(34)
+    lengths = torch.randint(64, 513, (steps,), generator=gen).tolist()
+    print(f"gpt2-vary-train: lengths {lengths}", flush=True)
+    cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=1024, vocab_size=50257)
+    data = [torch.randint(0, cfg.vocab_size, (batch, n), generator=gen) for n in lengths]
+
+    def loss(m, ids):
+        ids = ids.cuda()
+        return m(input_ids=ids, labels=ids).loss
+
+    return record_vary_train(out, "gpt2_vary_train", GPT2LMHeadModel(cfg), data, loss)
 
 
 def record_swin_infer(out):
@@ -725,6 +801,9 @@ MODELS = {
     "densenet-infer": record_densenet_infer,
     "frcnn-infer": record_frcnn_infer,
     "mistral-decode": record_mistral_decode,
+    "mobilenet-vary-train": record_mobilenet_vary_train,
+    "resnet-epochs-train": record_resnet_epochs_train,
+    "gpt2-vary-train": record_gpt2_vary_train,
 }
 
 

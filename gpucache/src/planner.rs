@@ -38,6 +38,8 @@
 //! assert_eq!(peak_live(&lives), 768);
 //! ```
 
+use std::ops::Range;
+
 /// Offsets and sizes in a plan are multiples of this (as `cudaMalloc` aligns).
 pub const ALIGN: usize = 256;
 
@@ -96,14 +98,33 @@ pub fn peak_live(lives: &[Lifetime]) -> usize {
 /// and with first fit, the plan with the smaller footprint.
 /// Sizes are taken as they are (align them first to place arrays at aligned offsets).
 pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
+    greedy_by_size_around(lives, &[])
+}
+
+/// [`greedy_by_size`] in a block whose byte ranges `taken` are in use throughout the step (arrays
+/// of an earlier step still alive there): no array is placed over them. The footprint is the
+/// end of the highest array placed, whatever the ranges taken (the block must hold it).
+///
+/// ```
+/// use gpucache::planner::{Lifetime, greedy_by_size_around};
+/// let lives = [
+///     Lifetime { bytes: 256, start: 0, end: 2 },
+///     Lifetime { bytes: 512, start: 1, end: 3 },
+/// ];
+/// // b (the largest) does not fit below the bytes taken, and goes above them; a fits below.
+/// let plan = greedy_by_size_around(&lives, &[256..512]);
+/// assert_eq!(plan.offsets, [0, 512]);
+/// assert_eq!(plan.footprint, 1024);
+/// ```
+pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan {
     let by_size = size_order(lives);
     let overlaps = Overlaps::of(lives);
-    let best = place(lives, &by_size, &overlaps, true);
+    let best = place(lives, &by_size, &overlaps, true, taken);
     if best.footprint <= peak_live(lives) {
         // At the lower bound: no plan is smaller.
         return best;
     }
-    let first = place(lives, &by_size, &overlaps, false);
+    let first = place(lives, &by_size, &overlaps, false, taken);
     // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%).
     if first.footprint < best.footprint {
         first
@@ -220,8 +241,15 @@ struct Placed {
 }
 
 /// Places `lives` in `order`, each at the smallest gap that holds it (`best_fit`) or the lowest
-/// (first fit) among the arrays placed whose lifetimes overlap its own, else above them.
-fn place(lives: &[Lifetime], order: &[usize], overlaps: &Overlaps, best_fit: bool) -> Plan {
+/// (first fit) among the arrays placed whose lifetimes overlap its own and the ranges `fixed`
+/// (taken throughout), else above them.
+fn place(
+    lives: &[Lifetime],
+    order: &[usize],
+    overlaps: &Overlaps,
+    best_fit: bool,
+    fixed: &[Range<usize>],
+) -> Plan {
     let mut offsets = vec![0usize; lives.len()];
     let mut placed = vec![false; lives.len()];
     let mut footprint = 0;
@@ -247,6 +275,10 @@ fn place(lives: &[Lifetime], order: &[usize], overlaps: &Overlaps, best_fit: boo
                     taken.push((offsets[j], offsets[j] + lives[j].bytes));
                 }
             });
+            taken.sort_unstable();
+        }
+        if !fixed.is_empty() {
+            taken.extend(fixed.iter().map(|r| (r.start, r.end)));
             taken.sort_unstable();
         }
         // The gap that holds it (the first of equal ones), else above everything.
@@ -307,6 +339,16 @@ mod tests {
 
     /// [`place`] as written first: every array placed before, filtered by lifetime, sorted.
     fn by_hand(lives: &[Lifetime], order: &[usize], best_fit: bool) -> Plan {
+        by_hand_around(lives, order, best_fit, &[])
+    }
+
+    /// [`by_hand`] around ranges taken throughout.
+    fn by_hand_around(
+        lives: &[Lifetime],
+        order: &[usize],
+        best_fit: bool,
+        fixed: &[Range<usize>],
+    ) -> Plan {
         let mut offsets = vec![0usize; lives.len()];
         let mut footprint = 0;
         for (n, &i) in order.iter().enumerate() {
@@ -314,6 +356,7 @@ mod tests {
                 .iter()
                 .filter(|&&j| lives[j].bytes > 0 && lives[j].overlaps(&lives[i]))
                 .map(|&j| (offsets[j], offsets[j] + lives[j].bytes))
+                .chain(fixed.iter().map(|r| (r.start, r.end)))
                 .collect();
             taken.sort_unstable();
             let (mut best, mut best_gap, mut top) = (None, usize::MAX, 0usize);
@@ -346,10 +389,10 @@ mod tests {
                 let overlaps = Overlaps::listed(&lives, most);
                 listed += usize::from(matches!(overlaps, Overlaps::Listed { .. }));
                 for best_fit in [true, false] {
-                    let plan = place(&lives, &order, &overlaps, best_fit);
+                    let plan = place(&lives, &order, &overlaps, best_fit, &[]);
                     assert_eq!(
                         plan,
-                        place(&lives, &order, &Overlaps::Scan, best_fit),
+                        place(&lives, &order, &Overlaps::Scan, best_fit, &[]),
                         "case {case}: {lives:?}"
                     );
                     assert_eq!(plan, by_hand(&lives, &order, best_fit), "case {case}");
@@ -357,5 +400,49 @@ mod tests {
             }
         }
         assert!(listed > 1000, "the listed overlaps were tried ({listed})");
+    }
+
+    #[test]
+    fn arrays_are_never_placed_over_ranges_taken_throughout() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut moved = 0;
+        for case in 0..1000 {
+            let n = rng.usize(0..120);
+            let lives = random_lives(&mut rng, n, false);
+            let fixed: Vec<Range<usize>> = (0..rng.usize(1..4))
+                .map(|_| {
+                    let at = rng.usize(0..16) * ALIGN;
+                    at..at + rng.usize(1..3) * ALIGN
+                })
+                .collect();
+            let plan = greedy_by_size_around(&lives, &fixed);
+            for (i, l) in lives.iter().enumerate() {
+                let (lo, hi) = (plan.offsets[i], plan.offsets[i] + l.bytes);
+                if l.bytes > 0 {
+                    assert!(
+                        fixed.iter().all(|r| hi <= r.start || r.end <= lo),
+                        "case {case}: array {i} at {lo}..{hi} over {fixed:?}"
+                    );
+                }
+                for (j, m) in lives.iter().enumerate().skip(i + 1) {
+                    let (a, b) = (plan.offsets[j], plan.offsets[j] + m.bytes);
+                    assert!(
+                        l.bytes == 0 || m.bytes == 0 || !l.overlaps(m) || hi <= a || b <= lo,
+                        "case {case}: arrays {i} and {j} overlap"
+                    );
+                }
+            }
+            let order = size_order(&lives);
+            let overlaps = Overlaps::of(&lives);
+            for best_fit in [true, false] {
+                assert_eq!(
+                    place(&lives, &order, &overlaps, best_fit, &fixed),
+                    by_hand_around(&lives, &order, best_fit, &fixed),
+                    "case {case}"
+                );
+            }
+            moved += usize::from(plan != greedy_by_size(&lives));
+        }
+        assert!(moved > 100, "the ranges taken moved arrays ({moved})");
     }
 }

@@ -1104,3 +1104,56 @@ fn a_block_given_up_never_raises_the_peak() {
     gpucache::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0);
 }
+
+/// A training step whose arrays come in another order every step (as a CNN's workspaces do
+/// when the batch changes): `n` arrays of 64 KiB, one alive at a time but for an `extra` one
+/// after the third, then the loss (a few bytes holding `value`), which outlives the step: a
+/// training loop keeps it until the next step's replaces it.
+fn step_with_loss(name: &str, n: usize, extra: usize, value: u8) -> Array<u8> {
+    let _scope = gpucache::enter(name);
+    let mut loss = None;
+    for i in 0..n {
+        let a = filled(DEV, i as u8, [65536]);
+        if i == 3 {
+            let extra = filled(DEV, 9u8, [extra]);
+            assert!(common::all_eq(&extra, 9));
+        }
+        if i == n / 2 {
+            loss = Some(filled(DEV, value, [4]));
+        }
+        assert!(common::all_eq(&a, i as u8));
+    }
+    loss.expect("made mid-step")
+}
+
+#[test]
+fn a_small_array_kept_past_a_step_that_left_its_plan_keeps_the_block_for_the_next_plan() {
+    let _serial = serial();
+    let name = "planned-kept-loss";
+    let (backend, _installed) = planned(name, None);
+    // The first step's extra array is the largest: the block has room beside the next steps'.
+    let mut loss = step_with_loss(name, 6, 32768, 0);
+    let block = 65536 + 32768;
+    let (mut allocs, mut peaks) = (Vec::new(), Vec::new());
+    for (step, n) in [8, 5, 9, 6, 7, 8, 5, 9, 6, 7].into_iter().enumerate() {
+        let value = step as u8 + 1;
+        backend.reset_peak();
+        let next = step_with_loss(name, n, 16384, value);
+        // The last step's loss, in the block of the plan made since, was never overwritten.
+        assert!(common::all_eq(&loss, value - 1), "step {step}");
+        loss = next;
+        allocs.push(backend.allocs());
+        peaks.push(backend.peak_bytes());
+    }
+    // Every step leaves the plan (its arrays come in another order) and is planned again: the
+    // new plan keeps the block, its positions placed around the loss alive there, rather than
+    // the block staying with the loss and the next step making another beside it.
+    assert_eq!(
+        allocs[6], allocs[9],
+        "no device allocation once settled: {allocs:?}"
+    );
+    assert!(
+        peaks[6..].iter().all(|&p| p <= block + 2 * 256),
+        "one block of {block} bytes and a loss apart: {peaks:?}"
+    );
+}

@@ -44,6 +44,23 @@ pub(in crate::cache) struct Plan {
     /// The most views `loose` keeps: twice the positions of this plan and of the shelved ones,
     /// which share the block (at least 128).
     pub(super) loose_cap: usize,
+    /// Arrays of the block made before the plan, still alive (a few small ones: a training
+    /// loop's loss, kept until the next step's replaces it): the plan's positions are placed
+    /// around them, and their bytes are free once they drop.
+    pub(super) pins: Vec<Pin>,
+}
+
+/// An array of a plan's block made before the plan (in the step it was made from, served from
+/// the block's gaps) and alive when it was made: its home, which names it among the block's
+/// arrays, and its bytes.
+#[derive(Clone, Debug)]
+pub(in crate::cache) struct Pin {
+    /// The `generation` of its home: the step that made it.
+    pub(super) step: u32,
+    /// The `slot` of its home.
+    pub(super) slot: u32,
+    /// Its aligned bytes in the block.
+    pub(super) range: std::ops::Range<usize>,
 }
 
 /// The loose views at one offset: mostly one (no allocation for it), several where positions of

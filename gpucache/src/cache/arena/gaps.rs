@@ -73,6 +73,12 @@ impl Gaps {
         Some(offset)
     }
 
+    /// The ranges handed out and not given back: the allocation (its index in the step's
+    /// record) and the offset of each, in the order they were made.
+    pub(super) fn handed_out(&self) -> &[(u32, usize)] {
+        &self.taken
+    }
+
     /// The bytes of a position alive at the divergence, `range`, are free again.
     pub(super) fn free(&mut self, range: Range<usize>) {
         if range.start < range.end {

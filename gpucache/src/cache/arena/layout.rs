@@ -4,7 +4,8 @@
 //! A [`Layout`] is made from one step's [record](Rec): every position (the k-th allocation of the
 //! step on the device) with its aligned size and the tick its array dropped. Positions whose
 //! array outlived the step are *apart*: served outside the plan. The others get offsets from
-//! [`greedy_by_size`], so that two positions whose recorded lifetimes overlap never share bytes.
+//! [`planner::greedy_by_size`], so that two positions whose recorded lifetimes overlap never
+//! share bytes (and none the bytes of an earlier step's array still alive in the block).
 //!
 //! In a later step, position k may be served at its offset only if no array the plan placed
 //! there is still alive. An array alive at tick k whose planned end is after k overlaps k's
@@ -16,7 +17,7 @@
 //! owner does not see), so a live array's memory is never handed out twice. The check is O(1)
 //! on a step that follows its plan (no overdue position), O(overdue) otherwise.
 
-use crate::planner::{self, Lifetime, greedy_by_size};
+use crate::planner::{self, Lifetime};
 
 /// [`Rec::end`] of an array still alive.
 pub(super) const OPEN: u32 = u32::MAX;
@@ -62,6 +63,8 @@ struct Spot {
     overdue: bool,
     /// The step's allocation (its index in the record) served here this step.
     rec: u32,
+    /// The [`Layout::epoch`] of the step that served it last.
+    epoch: u32,
 }
 
 impl Spot {
@@ -107,6 +110,9 @@ pub(super) struct Layout {
     ended: u32,
     /// Positions alive past their planned end.
     overdue: Vec<u32>,
+    /// Bytes of the block that arrays of earlier steps hold, which the plan was not placed
+    /// around: no position over them is served until they are free ([`Layout::block`]).
+    blocked: Vec<std::ops::Range<usize>>,
     /// The next position to match.
     cursor: u32,
     /// This step skipped positions apart, or left positions unmatched.
@@ -120,6 +126,8 @@ pub(super) struct Layout {
     pub(super) cold: bool,
     /// A step followed it from its first position to its last.
     pub(super) confirmed: bool,
+    /// The steps it has served ([`Layout::end_step`]; wraps).
+    epoch: u32,
 }
 
 /// A step's sizes, in order, as one number: equal for steps that allocated the same sizes in
@@ -167,12 +175,24 @@ fn planned_size(bytes: usize, was: Option<usize>) -> usize {
 }
 
 impl Layout {
-    /// The plan of a step recorded as `record`. An allocation matched with a position of `old`
+    /// [`Layout::new_around`] with no bytes taken (tests).
+    #[cfg(test)]
+    pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
+        Layout::new_around(record, old, &[])
+    }
+
+    /// The plan of a step recorded as `record`, for a block whose byte ranges `taken` hold
+    /// arrays of earlier steps: no position is placed over them
+    /// ([`planner::greedy_by_size_around`]). An allocation matched with a position of `old`
     /// takes the larger of the two sizes, so that both steps fit, when they are within a factor
     /// of two (measured on the real logs: merging positions whose sizes differ more, where the
     /// two steps' orders differ, held 1.12x and 1.49x of the peak live bytes where taking the new
     /// step's size held 1.07x and 1.21x).
-    pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
+    pub(super) fn new_around(
+        record: &[Rec],
+        old: Option<&Layout>,
+        taken: &[std::ops::Range<usize>],
+    ) -> Layout {
         let n = record.len() as u32;
         // The same step with other sizes (a batch or a sequence of another length): its k-th
         // allocation is the plan's k-th.
@@ -206,6 +226,7 @@ impl Layout {
                     live: false,
                     overdue: false,
                     rec: NONE,
+                    epoch: 0,
                 }
             })
             .collect();
@@ -214,7 +235,7 @@ impl Layout {
             .iter()
             .map(|&k| spots[k as usize].lifetime(k))
             .collect();
-        let plan = greedy_by_size(&lives);
+        let plan = planner::greedy_by_size_around(&lives, taken);
         for (&k, offset) in placed.iter().zip(plan.offsets) {
             spots[k as usize].offset = offset;
         }
@@ -230,12 +251,14 @@ impl Layout {
             by_end,
             ended: 0,
             overdue: Vec::new(),
+            blocked: Vec::new(),
             cursor: 0,
             skipped: false,
             footprint: plan.footprint,
             first: record.first().map_or(0, |r| r.bytes),
             cold: false,
             confirmed: false,
+            epoch: 0,
         }
     }
 
@@ -357,7 +380,12 @@ impl Layout {
         let c = self.cursor;
         self.tick_to(c);
         let s = self.spots.get(c as usize)?;
-        (!s.apart && size <= s.size && !s.live && self.overdue.is_empty()).then_some((s.offset, c))
+        (!s.apart
+            && size <= s.size
+            && !s.live
+            && self.overdue.is_empty()
+            && self.blocked.is_empty())
+        .then_some((s.offset, c))
     }
 
     /// Takes position `k`, which [`Layout::peek`] gave, for the allocation `rec` of the step.
@@ -367,6 +395,7 @@ impl Layout {
         let s = &mut self.spots[k as usize];
         s.live = true;
         s.rec = rec;
+        s.epoch = self.epoch;
     }
 
     /// Whether position `k` of `size` aligned bytes may be served at its offset now (for the
@@ -381,10 +410,14 @@ impl Layout {
         if !self.overdue.is_empty() && self.overdue.iter().any(|&p| self.overlaps(p, lo, hi)) {
             return Serve::Diverged;
         }
+        if self.blocked.iter().any(|r| r.start < hi && lo < r.end) {
+            return Serve::Diverged;
+        }
         let offset = s.offset;
         let s = &mut self.spots[k as usize];
         s.live = true;
         s.rec = rec;
+        s.epoch = self.epoch;
         Serve::At(offset)
     }
 
@@ -409,14 +442,33 @@ impl Layout {
         s.rec
     }
 
-    /// Forgets which positions are taken, when no array of the block is alive (a plan switched
-    /// in may have positions marked taken from the last step it was used in).
+    /// Forgets which positions and bytes are taken, when no array of the block is alive (a plan
+    /// switched in may have positions marked taken from the last step it was used in).
     pub(super) fn clear_live(&mut self) {
         for s in &mut self.spots {
             s.live = false;
             s.overdue = false;
         }
         self.overdue.clear();
+        self.blocked.clear();
+    }
+
+    /// The bytes `range` of the block hold an array of an earlier step, which the plan was not
+    /// placed around: no position that meets them is served until [`Layout::unblock`].
+    pub(super) fn block(&mut self, range: std::ops::Range<usize>) {
+        self.blocked.push(range);
+    }
+
+    /// Forgets the bytes blocked (the block they are in left the plan).
+    pub(super) fn clear_blocked(&mut self) {
+        self.blocked.clear();
+    }
+
+    /// The array over the bytes `range`, blocked, dropped.
+    pub(super) fn unblock(&mut self, range: &std::ops::Range<usize>) {
+        if let Some(i) = self.blocked.iter().position(|r| r == range) {
+            self.blocked.swap_remove(i);
+        }
     }
 
     /// Whether the step recorded so far as `record` is larger than the plan's block (`block`
@@ -533,6 +585,23 @@ impl Layout {
             .map(|s| s.offset..s.offset + s.size)
     }
 
+    /// The positions alive at the end of the step that just ended ([`Layout::end_step`]) with
+    /// the allocation served at each (its index in the step's record) and its range, when the
+    /// step served them all; `None` when one is alive from an earlier step.
+    pub(super) fn alive_at_end(&self) -> Option<Vec<(u32, u32, std::ops::Range<usize>)>> {
+        let last = self.epoch.wrapping_sub(1);
+        let mut alive = Vec::new();
+        for (k, s) in self.spots.iter().enumerate() {
+            if s.live && !s.apart {
+                if s.epoch != last {
+                    return None;
+                }
+                alive.push((k as u32, s.rec, s.offset..s.offset + s.size));
+            }
+        }
+        Some(alive)
+    }
+
     /// Whether the array last served at position `k` is alive (or its bytes still taken).
     pub(super) fn is_live(&self, k: u32) -> bool {
         self.spots.get(k as usize).is_some_and(|s| s.live)
@@ -584,6 +653,7 @@ impl Layout {
         self.cursor = 0;
         self.ended = 0;
         self.skipped = false;
+        self.epoch = self.epoch.wrapping_add(1);
         followed
     }
 
@@ -637,6 +707,29 @@ mod tests {
             l.dropped(2);
             assert!(l.end_step());
         }
+    }
+
+    #[test]
+    fn positions_are_placed_around_bytes_taken_and_wait_for_bytes_blocked() {
+        // Around an array of an earlier step at 0..256, nothing is placed there.
+        let taken = 0..256;
+        let l = Layout::new_around(&step(), None, std::slice::from_ref(&taken));
+        assert!((0..3).all(|k| l.spot(k).0 >= 256), "{:?}", l.spots);
+        assert_eq!(l.footprint, 768 + 256);
+        // Placed as if it were not there, the positions over it wait until it drops.
+        let mut l = Layout::new(&step(), None);
+        let a = l.spot(0).0;
+        l.block(a..a + 256);
+        assert_eq!(
+            l.peek(256),
+            None,
+            "not the plain case while bytes are blocked"
+        );
+        assert_eq!(l.next(256, 0), (Serve::Diverged, 0));
+        let b = at(&mut l, 512).expect("b's bytes are not blocked");
+        assert!(b >= a + 256 || b + 512 <= a);
+        l.unblock(&(a..a + 256));
+        assert_eq!(at(&mut l, 256), Some(a), "c takes a's bytes, free again");
     }
 
     #[test]

@@ -277,9 +277,11 @@ fn place(
             });
             taken.sort_unstable();
         }
-        if !fixed.is_empty() {
-            taken.extend(fixed.iter().map(|r| (r.start, r.end)));
-            taken.sort_unstable();
+        for r in fixed {
+            // Into the sorted list, not sorted again (a few ranges, every array).
+            let range = (r.start, r.end);
+            let k = taken.partition_point(|&t| t < range);
+            taken.insert(k, range);
         }
         // The gap that holds it (the first of equal ones), else above everything.
         let (mut best, mut best_gap, mut top) = (None, usize::MAX, 0usize);

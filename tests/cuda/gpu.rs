@@ -768,6 +768,66 @@ fn a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes(dev: Device) ->
     Ok(())
 }
 
+/// A training step whose arrays come in another order every step (`n` of `len` floats, one alive
+/// at a time but for an `extra` one after the third), each written by a kernel and checked, and
+/// its loss (a few floats, `v`), which outlives the step.
+fn step_with_loss(
+    dev: Device,
+    name: &str,
+    n: usize,
+    extra: usize,
+    v: f32,
+) -> Result<Array<f32>, Box<dyn StdError>> {
+    let stream = current(dev);
+    let len = 1 << 14;
+    let _scope = enter(name);
+    let mut loss = None;
+    for i in 0..n {
+        let mut a = Array::<f32>::empty(dev, len)?;
+        fill(&stream, &mut a, i as f32)?;
+        if i == 3 {
+            let mut e = Array::<f32>::empty(dev, extra)?;
+            fill(&stream, &mut e, -1.0)?;
+            assert!(e.to_vec()?.iter().all(|&x| x == -1.0), "extra");
+        }
+        if i == n / 2 {
+            let mut l = Array::<f32>::empty(dev, 4)?;
+            fill(&stream, &mut l, v)?;
+            loss = Some(l);
+        }
+        assert!(a.to_vec()?.iter().all(|&x| x == i as f32), "array {i}");
+    }
+    Ok(loss.expect("made mid-step"))
+}
+
+/// Steps that leave their plan every step, each keeping its loss alive past its end: the next
+/// plan keeps the block, placed around the loss (or waiting for it to drop), and computes there
+/// while the loss keeps its values; no device allocation once settled.
+fn a_loss_kept_past_its_step_keeps_its_values_in_the_block_the_next_plan_keeps(
+    dev: Device,
+) -> TestResult {
+    let name = "cuda-kept-loss";
+    arena(name);
+    let mut loss = step_with_loss(dev, name, 6, 1 << 13, 0.5)?;
+    let mut misses = Vec::new();
+    for (step, n) in [8, 5, 9, 6, 7, 8, 5, 9, 6, 7].into_iter().enumerate() {
+        let v = step as f32 + 1.5;
+        let next = step_with_loss(dev, name, n, 1 << 12, v)?;
+        assert!(
+            loss.to_vec()?.iter().all(|&x| x == v - 1.0),
+            "step {step}: the last step's loss was overwritten"
+        );
+        loss = next;
+        misses.push(stats(name).misses);
+    }
+    if caching() {
+        assert_eq!(misses[6], misses[9], "device allocations: {misses:?}");
+    }
+    drop(loss);
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// One step of a server on the GPU: a prompt step (`prompt` tokens: a large first array, then
 /// a chain of kernels) or a decoding step after `len` tokens (a small first array, scores one
 /// element longer every token, a cache of keys and values that outlives the step, replaced).
@@ -1067,6 +1127,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
     an_arena_block_is_reused_only_after_a_marked_stream,
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
+    a_loss_kept_past_its_step_keeps_its_values_in_the_block_the_next_plan_keeps,
     prompt_and_decoding_steps_compute_on_their_own_plans,
     a_longer_sequence_computes_in_its_plan_scaled,
     a_longer_sequence_grows_its_plans_block_in_place,

@@ -1863,10 +1863,11 @@ impl CacheState {
                     let size = aligned(bytes).unwrap_or(bytes);
                     plan.in_use -= size;
                     cached(st, a.gauge, size);
-                    rec = if let Some(range) = plan.unpin(home) {
-                        // Made before the plan: its bytes join the gaps, if open, and the
-                        // positions over them may be served (unless another stream may still
-                        // use them: then they stay taken through the step); its view goes
+                    rec = if escaped && let Some(range) = plan.unpin(home) {
+                        // Pinned (made in an earlier step, so escaped: the common drop, of
+                        // this step's array, does not look): its bytes join the gaps, if open,
+                        // and the positions over them may be served (unless another stream may
+                        // still use them: then they stay taken through the step); its view goes
                         // loose.
                         if tainted {
                             plan.tainted = true;

@@ -2,13 +2,14 @@
 //! `examples/replay/record_torch.py`): each parses, has live bytes, and replays on the CPU under
 //! every configuration of `replay::CONFIGS` and bare, each peaking at or above the log's
 //! peak live bytes (the lower bound of any allocator), with the same figures every time; planned
-//! caches hold at most 1.10x the peak live bytes on the training and varying-shape logs and
+//! caches hold at most 1.10x the peak live bytes on the training and varying-shape logs (1.15x
+//! on MobileNetV3 trained with a varying batch, above the target: see BENCHMARKS.md) and
 //! 1.5x on decoding and serving, with no device allocation after the second step on the
-//! training logs, and after it fewer than one in twenty of the allocations on the others (a
-//! step larger than every one before it, served from its plan scaled; the keys and values
-//! crossing size classes, and those of new requests); the varying-shape logs' steps replayed
-//! longer in other orders stay within the same bound; and a zero-byte allocation replays in
-//! every mode.
+//! fixed-shape training logs, and after it fewer than one in twenty of the allocations on the
+//! others (a step larger than every one before it, served from its plan scaled; the keys and
+//! values crossing size classes, and those of new requests); the varying-shape logs' steps
+//! replayed longer in other orders stay within the same bound; and a zero-byte allocation
+//! replays in every mode.
 
 use gpucache::{CacheConfig, Device, KeyPolicy};
 
@@ -22,6 +23,9 @@ const LOGS: &[(&str, f64)] = &[
     ("vit_train", 1.10),
     ("t5_train", 1.10),
     ("llama_ckpt_train", 1.10),
+    ("resnet_epochs_train", 1.10),
+    ("gpt2_vary_train", 1.10),
+    ("mobilenet_vary_train", 1.15),
     ("bert_infer", 1.10),
     ("effnet_infer", 1.10),
     ("convnext_infer", 1.10),
@@ -34,6 +38,17 @@ const LOGS: &[(&str, f64)] = &[
     ("opt_serve", 1.5),
     ("mistral_decode", 1.5),
 ];
+
+/// Whether `log` trains on inputs of one shape (or one more for an epoch's last batch): no
+/// device allocation after its second step.
+fn fixed_shapes(log: &str) -> bool {
+    log.ends_with("_train") && !varying(log)
+}
+
+/// Whether `log`'s inputs change shape every step.
+fn varying(log: &str) -> bool {
+    log.ends_with("_infer") || log.ends_with("_vary_train")
+}
 
 /// Sets the fixtures' caches back to the default when dropped (even on a failure), for the tests
 /// that use the same names.
@@ -79,7 +94,7 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
                     ratio <= bound,
                     "{log}, planned: {ratio:.3}x > {bound}x ({m:?})"
                 );
-                if log.ends_with("_train") {
+                if fixed_shapes(log) {
                     assert_eq!(m.allocs_after_step2, 0, "{log}, planned: {m:?}");
                 }
                 let allocs = ops
@@ -117,7 +132,7 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
     }
 }
 
-/// The varying-shape inference logs replayed longer, their steps after the first in shuffled
+/// The varying-shape logs replayed longer, their steps after the first in shuffled
 /// orders (`replay::reordered`: five more passes, two seeds), as a long run of such a model
 /// brings them: the planned cache still holds at most its bound over the run's peak live bytes.
 /// EfficientNet's batches of 1 to 64 make more kinds of step than a cache keeps plans for; before
@@ -127,7 +142,7 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
 fn varying_logs_replayed_longer_in_other_orders_stay_within_their_bound() {
     let _serial = serial();
     let mut defaults = Defaults(Vec::new());
-    for &(log, bound) in LOGS.iter().filter(|(log, _)| log.ends_with("_infer")) {
+    for &(log, bound) in LOGS.iter().filter(|(log, _)| varying(log)) {
         let path = format!("{}/tests/fixtures/{log}.csv.gz", env!("CARGO_MANIFEST_DIR"));
         let ops = replay::read(path.as_ref()).unwrap();
         defaults.0.extend(ops.iter().filter_map(|op| match op {

@@ -188,7 +188,11 @@
 //!   longer follow the plan scaled), or if the step did not outgrow the plan (an array kept
 //!   alive, another order, extra allocations), the rest is served from the block's free bytes
 //!   while they hold it. A plan made again is merged with the old one position by position,
-//!   unless the merged plan would hold an eighth more than both (another arrangement).
+//!   unless the merged plan would hold an eighth more than both (another arrangement). It keeps
+//!   the old block when it fits, even under a few small arrays still alive there (a training
+//!   loop's loss, kept until the next step's replaces it): it is placed around them
+//!   ([`planner::greedy_by_size_around`]), or its positions over them wait until they drop, so
+//!   a step never holds two blocks for the sake of a few bytes.
 //! * **A first step's arrays that later steps do not make** (a training step's first step makes
 //!   its optimizer's state in the middle of the step): a long run of positions apart is skipped
 //!   for the position after it, so that the next steps' temporaries of the same sizes are

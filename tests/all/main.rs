@@ -9,7 +9,8 @@
 //! * `prop_programs`: random operation programs on caches of free lists, checked against a model
 //!   after every step; `prop_planned`: random programs on planned caches, checked for safety (no
 //!   shared storage, patterns intact, every byte accounted and given back) and for settling on
-//!   a plan; `programs`: what the two share;
+//!   a plan; `prop_kept`: random training loops whose steps differ and keep their loss past
+//!   their end, checked for safety; `programs`: what the two share;
 //! * `stress`: many threads, many operations;
 //! * `disable`: `GPUCACHE_DISABLE` (in child processes of this binary, their output captured);
 //! * `macros`: `#[cache_scope]` and `cache_scope!` at run time, in every form;
@@ -36,6 +37,7 @@ mod macros;
 mod plan;
 mod planned;
 mod programs;
+mod prop_kept;
 mod prop_planned;
 mod prop_programs;
 mod replay_logs;

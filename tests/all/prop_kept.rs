@@ -1,0 +1,213 @@
+//! Random training loops on a planned cache whose steps differ (another count, other sizes) and
+//! each keep a small array, the loss, past their end, as a loop that reads it later does: the
+//! plan made again at a step's end keeps its block under the loss and the plan is placed around
+//! it, or its positions over it wait until it drops (see the `arena` module's pins). The
+//! previous step's loss drops at a random point of the next step, or on another thread, or
+//! after the next step too (two kept at once); now and then a step invalidates the cache or
+//! empties every cache midway. After every allocation and drop, every live array holds its
+//! pattern and no two share storage; after the loop, every byte goes back to the device.
+//!
+//! `PROPTEST_CASES` sets the number of loops (default [`DEFAULT_CASES`]).
+
+use crate::programs::{Helper, cases, check_arrays, run_on_fresh_threads};
+
+use common::pattern::{AnyArray, Dt, Init};
+use common::serial;
+use gpucache::{CacheConfig, Device, KeyPolicy};
+use gpucache_suite::common;
+use proptest::prelude::*;
+use proptest::sample::select;
+
+/// Loops per test when `PROPTEST_CASES` is not set.
+const DEFAULT_CASES: u32 = 64;
+
+const DEV: Device = Device::Cpu;
+
+const NAME: &str = "prop-kept";
+
+/// The rows of a step's large arrays (f32, 256 wide: 16 KiB to 48 KiB).
+const ROWS: &[usize] = &[16, 32, 48];
+
+/// The loss: a few elements.
+const LOSS: &[(Dt, &[usize])] = &[(Dt::F32, &[1]), (Dt::F32, &[4]), (Dt::U8, &[300])];
+
+/// What becomes of the previous step's loss during a step.
+#[derive(Clone, Copy, Debug)]
+enum Old {
+    /// Dropped on the owner thread after this many of the step's arrays.
+    DropAt(usize),
+    /// Dropped on the helper thread after this many.
+    SendAt(usize),
+    /// Alive past this step too: dropped after it.
+    After,
+}
+
+/// Something that happens midway through a step.
+#[derive(Clone, Copy, Debug)]
+enum Event {
+    Invalidate,
+    EmptyCache,
+}
+
+/// One step of the loop.
+#[derive(Clone, Debug)]
+struct Step {
+    /// The rows of each large array, in order.
+    rows: Vec<usize>,
+    /// How many large arrays are alive at once (the oldest drops first).
+    window: usize,
+    /// The loss is made after this many large arrays.
+    loss_at: usize,
+    loss: (Dt, &'static [usize]),
+    old: Old,
+    /// After this many large arrays.
+    event: Option<(usize, Event)>,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let old = prop_oneof![
+        4 => (0..10usize).prop_map(Old::DropAt),
+        1 => (0..10usize).prop_map(Old::SendAt),
+        1 => Just(Old::After),
+    ];
+    let event = prop::option::weighted(
+        0.1,
+        (
+            0..10usize,
+            prop_oneof![Just(Event::Invalidate), Just(Event::EmptyCache)],
+        ),
+    );
+    (
+        prop::collection::vec(select(ROWS), 2..10),
+        1..4usize,
+        0..10usize,
+        select(LOSS),
+        old,
+        event,
+    )
+        .prop_map(|(rows, window, loss_at, loss, old, event)| Step {
+            rows,
+            window,
+            loss_at,
+            loss,
+            old,
+            event,
+        })
+}
+
+/// The arrays alive, with their ids and bytes.
+#[derive(Default)]
+struct Live {
+    arrays: Vec<(AnyArray, u64, usize)>,
+    next_id: u64,
+}
+
+impl Live {
+    fn alloc(&mut self, dt: Dt, shape: &[usize]) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let array = AnyArray::new(DEV, dt, shape.to_vec(), Init::Empty, id).expect("allocation");
+        let bytes = array.num_bytes();
+        self.arrays.push((array, id, bytes));
+        self.check(&format!("after allocating {id}"));
+        id
+    }
+
+    fn take(&mut self, id: u64) -> Option<AnyArray> {
+        let i = self.arrays.iter().position(|a| a.1 == id)?;
+        Some(self.arrays.remove(i).0)
+    }
+
+    fn drop(&mut self, id: u64) {
+        drop(self.take(id));
+        self.check(&format!("after dropping {id}"));
+    }
+
+    fn check(&self, when: &str) {
+        check_arrays(self.arrays.iter().map(|(a, id, b)| (a, *id, *b)), when);
+    }
+}
+
+/// Runs `steps` in scopes of [`NAME`], each keeping its loss (see the module docs).
+fn train(steps: &[Step], helper: &Helper) {
+    let mut live = Live::default();
+    // Losses kept past their step, oldest first.
+    let mut kept: Vec<u64> = Vec::new();
+    for (k, s) in steps.iter().enumerate() {
+        let mut after = Vec::new();
+        {
+            let _scope = gpucache::enter(NAME);
+            let mut window = Vec::new();
+            let mut loss = None;
+            for (i, &rows) in s.rows.iter().enumerate() {
+                if let Some(&old) = kept.first() {
+                    match s.old {
+                        Old::DropAt(at) if at == i => live.drop(kept.remove(0)),
+                        Old::SendAt(at) if at == i => {
+                            let array = live.take(kept.remove(0)).expect("kept");
+                            helper.drop_array(array, old);
+                        }
+                        Old::After if i == 0 => after.push(kept.remove(0)),
+                        _ => {}
+                    }
+                }
+                match s.event {
+                    Some((at, Event::Invalidate)) if at == i => gpucache::invalidate(NAME),
+                    Some((at, Event::EmptyCache)) if at == i => gpucache::empty_cache(),
+                    _ => {}
+                }
+                if i == s.loss_at.min(s.rows.len() - 1) {
+                    loss = Some(live.alloc(s.loss.0, s.loss.1));
+                }
+                window.push(live.alloc(Dt::F32, &[rows, 256]));
+                if window.len() > s.window {
+                    live.drop(window.remove(0));
+                }
+            }
+            // The step's large arrays drop at its end, newest first; the loss does not.
+            while let Some(id) = window.pop() {
+                live.drop(id);
+            }
+            // A loss not dropped as planned (its step was shorter) drops now.
+            for id in kept.drain(..) {
+                live.drop(id);
+            }
+            kept.extend(loss);
+        }
+        live.check(&format!("after step {k}"));
+        for id in after {
+            live.drop(id);
+        }
+    }
+    for id in kept {
+        live.drop(id);
+    }
+}
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: cases(DEFAULT_CASES).max(1),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn training_loops_that_keep_their_loss_stay_safe(
+        steps in prop::collection::vec(step(), 2..12),
+    ) {
+        let _serial = serial();
+        run_on_fresh_threads("prop-kept", |_backend, helper| {
+            gpucache::configure(NAME, CacheConfig {
+                key: KeyPolicy::Planned,
+                ..CacheConfig::default()
+            });
+            train(&steps, &helper);
+            gpucache::invalidate(NAME);
+            gpucache::empty_cache();
+        });
+    }
+}

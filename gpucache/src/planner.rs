@@ -97,8 +97,8 @@ pub fn peak_live(lives: &[Lifetime]) -> usize {
 /// First fit is tried only when best fit's footprint is more than this fraction above the peak
 /// live bytes (the most first fit could save): placing a dense step twice doubled the time of
 /// the plans made at every step of training whose batch or length varies (BERT with dynamic
-/// padding, MobileNetV3: 25% and 21% of the instructions of their whole replays), and every
-/// log's plans but one were the same (BERT with dynamic padding held 1.063x instead of 1.066x).
+/// padding, MobileNetV3: 25% and 21% of the instructions of their whole replays); the real
+/// models' logs held the same without it but BERT with dynamic padding (1.063x, was 1.066x).
 const FIRST_FIT_WITHIN: usize = 32;
 
 /// Offsets for `lives` in one block, greedy by size (see the module docs): placed with best fit

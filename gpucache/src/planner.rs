@@ -102,8 +102,8 @@ pub fn peak_live(lives: &[Lifetime]) -> usize {
 const FIRST_FIT_WITHIN: usize = 32;
 
 /// Offsets for `lives` in one block, greedy by size (see the module docs): placed with best fit
-/// and, unless that is within a [`FIRST_FIT_WITHIN`]th of the peak live bytes, with first fit,
-/// the plan with the smaller footprint.
+/// and, unless that is within a 32nd of the peak live bytes (the most first fit could save),
+/// with first fit, the plan with the smaller footprint.
 /// Sizes are taken as they are (align them first to place arrays at aligned offsets).
 pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
     greedy_by_size_around(lives, &[])

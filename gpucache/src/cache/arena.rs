@@ -224,10 +224,22 @@ const MAX_PINS: usize = 8;
 /// The arrays a plan's block keeps for the next plan hold at most this fraction of it.
 const PIN_SHARE: usize = 64;
 
+/// The most steps a pin is kept: a pin is named by its step's number, which wraps (at `2^32`);
+/// kept no longer than this, it is never taken for an array of a later step with the same slot
+/// (its block leaves the plan instead, retired under it, as a block another stream used does).
+const MAX_PIN_AGE: u32 = 1 << 24;
+
 #[cfg(test)]
 thread_local! {
     /// The plans made from a step's record at its end on this thread (unit tests count them).
     pub(crate) static PLANS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+impl Pin {
+    /// Whether the pin was made more than [`MAX_PIN_AGE`] steps before step `step`.
+    fn is_old(&self, step: u32) -> bool {
+        step.wrapping_sub(self.step) > MAX_PIN_AGE
+    }
 }
 
 impl Plan {
@@ -1168,7 +1180,12 @@ impl DeviceArena {
             followed = plan.layout.end_step();
             plan.ready = false;
         }
-        let tainted = self.plan.as_ref().is_some_and(|p| p.tainted);
+        // A block that another stream used, or whose pins are old, leaves the plan.
+        let step = self.step;
+        let tainted = self
+            .plan
+            .as_ref()
+            .is_some_and(|p| p.tainted || p.pins.iter().any(|pin| pin.is_old(step)));
         // A step served from its plan scaled, which holds it as it was: the scaled plan is kept
         // (planned again, its offsets would change, and every view be made again).
         let kept = self.scaled

@@ -50,9 +50,9 @@ pub(in crate::cache) struct Plan {
     pub(super) pins: Vec<Pin>,
 }
 
-/// An array of a plan's block made before the plan (in the step it was made from, served from
-/// the block's gaps) and alive when it was made: its home, which names it among the block's
-/// arrays, and its bytes.
+/// An array of a plan's block made before the plan (in the step the plan was made from, or
+/// before, served at a position or from the block's gaps) and alive when it was made: its home,
+/// which names it among the block's arrays, and its bytes.
 #[derive(Clone, Debug)]
 pub(in crate::cache) struct Pin {
     /// The `generation` of its home: the step that made it.

@@ -85,6 +85,16 @@ pub fn cases(default: u32) -> u32 {
         .unwrap_or(default)
 }
 
+/// A proptest configuration of [`cases`]`(default)` programs (at least one) whose failures are
+/// not persisted (a failing program is printed shrunk, with its seed).
+pub fn unpersisted(default: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases: cases(default).max(1),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
 /// The program thread's way to the helper thread, which checks the pattern of each array sent
 /// to it and drops it there.
 pub struct Helper {

@@ -9,7 +9,7 @@
 //!
 //! `PROPTEST_CASES` sets the number of loops (default [`DEFAULT_CASES`]).
 
-use crate::programs::{Helper, cases, check_arrays, run_on_fresh_threads};
+use crate::programs::{Helper, check_arrays, run_on_fresh_threads, unpersisted};
 
 use common::pattern::{AnyArray, Dt, Init};
 use common::serial;
@@ -184,16 +184,8 @@ fn train(steps: &[Step], helper: &Helper) {
     }
 }
 
-fn config() -> ProptestConfig {
-    ProptestConfig {
-        cases: cases(DEFAULT_CASES).max(1),
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
 proptest! {
-    #![proptest_config(config())]
+    #![proptest_config(unpersisted(DEFAULT_CASES))]
 
     #[test]
     fn training_loops_that_keep_their_loss_stay_safe(

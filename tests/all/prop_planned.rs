@@ -41,8 +41,8 @@
 //! persisted: a failing program is printed shrunk, one operation a line, with its seed.
 
 use crate::programs::{
-    Helper, NAMES, Name, Outside, Program, ProgramWorld, SHAPES, cases, check_arrays,
-    check_backend, name, program_world, run_on_fresh_threads,
+    Helper, NAMES, Name, Outside, Program, ProgramWorld, SHAPES, check_arrays, check_backend, name,
+    program_world, run_on_fresh_threads, unpersisted,
 };
 
 use std::sync::Arc;
@@ -331,17 +331,8 @@ fn flatten(ops: &[StepOp], open: &mut Vec<Name>, stepped: &mut Vec<Name>, out: &
     }
 }
 
-/// Each test's number of programs.
-fn config() -> ProptestConfig {
-    ProptestConfig {
-        cases: cases(DEFAULT_CASES).max(1),
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
 proptest! {
-    #![proptest_config(config())]
+    #![proptest_config(unpersisted(DEFAULT_CASES))]
 
     #[test]
     fn random_programs_on_planned_caches_stay_safe(

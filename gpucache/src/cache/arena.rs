@@ -116,10 +116,11 @@
 //! ([`crate::planner::greedy_by_size_around`]), or, when that no longer fits the block, placed
 //! as if they were not there, and the positions over them are not served until they drop (as an
 //! overdue position's bytes are not); the gaps leave them out; each goes when its array drops
-//! (named by its home: the step that made it and its slot). Retired under the loss instead, a
-//! block of 2.6 GB stayed alive into the next step beside the next plan's new block, every step
-//! (MobileNetV3 trained with a varying batch held 2.01x of its peak live bytes; with pins,
-//! 1.11x).
+//! (named by its home: the step that made it and its slot; a pin older than [`MAX_PIN_AGE`]
+//! steps makes the block leave the plan, since step numbers wrap). Retired under the loss
+//! instead, a block of 2.6 GB stayed alive into the next step beside the next plan's new block,
+//! every step (MobileNetV3 trained with a varying batch held 2.01x of its peak live bytes; with
+//! pins, 1.11x).
 //!
 //! A view costs something to make on CUDA (a cudarc `CudaSlice` with two events of its own), so
 //! views outlive their arrays: a view spans from its offset to the end of the block, and its

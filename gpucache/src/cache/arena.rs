@@ -1213,7 +1213,7 @@ impl DeviceArena {
             // Arrays still alive in the old plan's block, if it may keep them: the new plan is
             // placed around them, to keep the block.
             let pins = old.as_ref().and_then(|p| self.pins_for(p));
-            let mut pinned: Vec<std::ops::Range<usize>> =
+            let pinned: Vec<std::ops::Range<usize>> =
                 pins.iter().flatten().map(|p| p.range.clone()).collect();
             let plan_step = |taken: &[std::ops::Range<usize>]| {
                 let layout = Layout::new_around(&self.record, merged, taken);
@@ -1235,14 +1235,11 @@ impl DeviceArena {
             let mut layout = plan_step(&pinned);
             let block_bytes = old.as_ref().map_or(0, Plan::block_bytes);
             // Placed around the pinned arrays, the plan no longer fits the block: it is placed
-            // as if they were not there, and its positions over them wait until they drop.
-            let mut blocked = false;
-            if !pinned.is_empty() && block_bytes < layout.footprint {
+            // as if they were not there, and its positions over them wait until they drop (if
+            // that does not fit the block either, the block is not kept).
+            let blocked = !pinned.is_empty() && block_bytes < layout.footprint;
+            if blocked {
                 layout = plan_step(&[]);
-                blocked = block_bytes >= layout.footprint;
-                if !blocked {
-                    pinned.clear();
-                }
             }
             #[cfg(test)]
             PLANS_MADE.with(|n| n.set(n.get() + 1));
@@ -1271,7 +1268,6 @@ impl DeviceArena {
                 // A larger block is kept too: the steps it was made for may come again (a batch
                 // of another size), and a step that outgrows it gives it back.
                 let fits = bytes >= layout.footprint;
-                let pins = pins.filter(|p| p.len() == pinned.len());
                 if fits
                     && !tainted
                     && let Some(pins) = pins

@@ -552,20 +552,9 @@ def record_vit_infer(out):
     return record_vision_infer(out, "vit_infer", torchvision.models.vit_b_16, 32, 14)
 
 
-def record_adamw_train(out, name, model, loss, steps, bf16=False):
-    """Records `steps` training steps of `model` (moved to the GPU) into `<out>/<name>.csv.gz`:
-    `loss(model)` (under bf16 autocast if `bf16`), its backward pass, and an AdamW step."""
-    model = model.to(torch.device("cuda")).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            value = loss(model)
-        value.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return record_training(step, steps, os.path.join(out, f"{name}.csv.gz"))
+def adamw(lr):
+    """An optimizer maker for `record_train`: AdamW at learning rate `lr`."""
+    return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
 def record_t5_train(out, steps=8, batch=16, src=256, tgt=64):
@@ -577,10 +566,12 @@ def record_t5_train(out, steps=8, batch=16, src=256, tgt=64):
     x = torch.randint(1, cfg.vocab_size, (batch, src), device="cuda")
     y = torch.randint(1, cfg.vocab_size, (batch, tgt), device="cuda")
 
-    def loss(m):
+    def loss(m, _):
         return m(input_ids=x, labels=y).loss
 
-    return record_adamw_train(out, "t5_train", T5ForConditionalGeneration(cfg), loss, steps)
+    model = T5ForConditionalGeneration(cfg)
+    data = [None] * steps
+    return record_train(out, "t5_train", model, data, loss, adamw(1e-4), keep_loss=False)
 
 
 def record_llama_ckpt_train(out, steps=8, batch=4, seq=512):
@@ -600,28 +591,36 @@ def record_llama_ckpt_train(out, steps=8, batch=4, seq=512):
     model.gradient_checkpointing_enable()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
-    def loss(m):
+    def loss(m, _):
         return m(input_ids=ids, labels=ids).loss
 
-    return record_adamw_train(out, "llama_ckpt_train", model, loss, steps, bf16=True)
+    data = [None] * steps
+    return record_train(
+        out, "llama_ckpt_train", model, data, loss, adamw(1e-4), bf16=True, keep_loss=False
+    )
 
 
-def record_vary_train(out, name, model, data, loss, opt=None):
-    """Trains `model` (moved to the GPU) one step per item of `data` (its shapes vary), each a
-    scope named `train_step`: `loss(model, item)`, its backward pass, and an optimizer step
-    (AdamW unless `opt(params)` makes another). The loss stays alive until the next step's
-    replaces it, as in a training loop that reads it later: writes `<out>/<name>.csv.gz`."""
+def record_train(out, name, model, data, loss, opt=adamw(1e-5), bf16=False, keep_loss=True):
+    """Trains `model` (moved to the GPU) one step per item of `data` (its shapes may vary), each
+    a scope named `train_step`: `loss(model, item)` (under bf16 autocast if `bf16`), its backward
+    pass, and a step of the optimizer `opt(params)` makes. With `keep_loss` the loss stays alive
+    until the next step's replaces it, as in a training loop that reads it later; else it is
+    dropped within its step. Writes `<out>/<name>.csv.gz`."""
     model = model.to(torch.device("cuda")).train()
-    opt = (opt or (lambda p: torch.optim.AdamW(p, lr=1e-5)))(model.parameters())
+    opt = opt(model.parameters())
     rec = Recorder("train_step")
+    value = None
     with rec:
         for item in data:
             with rec.step():
-                value = loss(model, item)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                    value = loss(model, item)
                 value.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        del value
+                if not keep_loss:
+                    value = None
+        value = None
     return rec.write(os.path.join(out, f"{name}.csv.gz"))
 
 
@@ -647,7 +646,7 @@ def record_bert_dynpad(out, steps=12, batch=16):
         return m(input_ids=ids.cuda(), labels=labels.cuda()).loss
 
     model = BertForSequenceClassification(BertConfig(num_labels=4))
-    return record_vary_train(out, "bert_dynpad", model, data, loss)
+    return record_train(out, "bert_dynpad", model, data, loss)
 
 
 def record_images_train(out, name, model, batches, seed, size=224, classes=1000):
@@ -666,7 +665,7 @@ def record_images_train(out, name, model, batches, seed, size=224, classes=1000)
     def sgd(params):
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
-    return record_vary_train(out, name, model, data, loss, sgd)
+    return record_train(out, name, model, data, loss, sgd)
 
 
 def record_mobilenet_vary_train(out, steps=12):
@@ -709,7 +708,7 @@ def record_gpt2_vary_train(out, steps=12, batch=8):
         ids = ids.cuda()
         return m(input_ids=ids, labels=ids).loss
 
-    return record_vary_train(out, "gpt2_vary_train", GPT2LMHeadModel(cfg), data, loss)
+    return record_train(out, "gpt2_vary_train", GPT2LMHeadModel(cfg), data, loss)
 
 
 def record_swin_infer(out):

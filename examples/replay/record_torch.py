@@ -234,16 +234,6 @@ def summarize(ops):
 # ---- built-in models ----------------------------------------------------------------------------
 
 
-def record_training(step, steps, path):
-    """Records `steps` calls of a training `step`, each a scope named `train_step`, into `path`."""
-    rec = Recorder("train_step")
-    with rec:
-        for _ in range(steps):
-            with rec.step():
-                step()
-    return rec.write(path)
-
-
 def record_tiny(out):
     """A self-check: known allocations inside and outside steps."""
     dev = torch.device("cuda")
@@ -277,39 +267,31 @@ def record_gpt2_train(out, steps=8, batch=8, seq=256):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=1024, vocab_size=50257)
-    model = GPT2LMHeadModel(cfg).to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def loss(m, _):
+        return m(input_ids=ids, labels=ids).loss
 
-    return record_training(step, steps, os.path.join(out, "gpt2_train.csv.gz"))
+    data = [None] * steps
+    return record_train(out, "gpt2_train", model, data, loss, adamw(1e-4), keep_loss=False)
 
 
 def record_resnet_train(out, steps=8, batch=32):
     import torchvision
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    model = torchvision.models.resnet50(weights=None).to(dev).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(batch, 3, 224, 224, device=dev)
-    y = torch.randint(0, 1000, (batch,), device=dev)
+    model = torchvision.models.resnet50(weights=None)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
     lossf = torch.nn.CrossEntropyLoss()
 
-    def step():
-        loss = lossf(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def loss(m, _):
+        return lossf(m(x), y)
 
-    return record_training(step, steps, os.path.join(out, "resnet50_train.csv.gz"))
+    data = [None] * steps
+    return record_train(out, "resnet50_train", model, data, loss, sgd(0.1), keep_loss=False)
 
 
 def record_bert_infer(out, steps=10, batch=8):
@@ -363,21 +345,18 @@ def record_vit_train(out, steps=8, batch=32):
     import timm
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    model = timm.create_model("vit_small_patch16_224", pretrained=False).to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, 3, 224, 224, device=dev)
-    y = torch.randint(0, 1000, (batch,), device=dev)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
     lossf = torch.nn.CrossEntropyLoss()
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = lossf(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def loss(m, _):
+        return lossf(m(x), y)
 
-    return record_training(step, steps, os.path.join(out, "vit_train.csv.gz"))
+    data = [None] * steps
+    return record_train(
+        out, "vit_train", model, data, loss, adamw(1e-4), bf16=True, keep_loss=False
+    )
 
 
 def record_llama_serve(out, requests=6, new_tokens=12, batch=2):
@@ -557,6 +536,11 @@ def adamw(lr):
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
+def sgd(lr):
+    """An optimizer maker for `record_train`: SGD with momentum 0.9 at learning rate `lr`."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
 def record_t5_train(out, steps=8, batch=16, src=256, tgt=64):
     """T5-small (an encoder-decoder) trained with AdamW on fixed-length inputs and targets."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -662,10 +646,7 @@ def record_images_train(out, name, model, batches, seed, size=224, classes=1000)
         x, y = item
         return lossf(m(x.cuda()), y.cuda())
 
-    def sgd(params):
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-
-    return record_train(out, name, model, data, loss, sgd)
+    return record_train(out, name, model, data, loss, sgd(0.01))
 
 
 def record_mobilenet_vary_train(out, steps=12):

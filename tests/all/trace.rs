@@ -5,7 +5,7 @@
 //!
 //! Recording is process-wide, so every test that records holds `common::serial()`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use gpucache::testing::{CountingBackend, use_backend};
 use gpucache::trace::{self, Event, EventKind, Trace, TraceKey};
@@ -403,11 +403,19 @@ fn the_chrome_trace_parses_balances_and_ends_at_the_stats() {
     assert_eq!(phases["B"], 13);
     assert_eq!(phases["E"], 13);
     assert!(phases["i"] >= 3 && phases["C"] > 0, "{phases:?}");
-    let threads: Vec<_> = events
-        .iter()
-        .filter(|e| e["name"] == "thread_name")
-        .collect();
-    assert_eq!(threads.len(), 2, "this thread and the worker");
+    // The workload's scopes ran on this thread and the worker, each named in the trace (another
+    // test's thread may add events meanwhile: recording is process-wide, and only the tests
+    // that record hold `serial()`).
+    let tids = |f: &dyn Fn(&Value) -> bool| -> HashSet<u64> {
+        events
+            .iter()
+            .filter(|e| f(e))
+            .filter_map(|e| e["tid"].as_u64())
+            .collect()
+    };
+    let scoped = tids(&|e| e["ph"] == "B");
+    assert_eq!(scoped.len(), 2, "this thread and the worker");
+    assert!(scoped.is_subset(&tids(&|e| e["name"] == "thread_name")));
 
     for name in &names[..2] {
         let s = stats(name);

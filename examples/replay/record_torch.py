@@ -649,17 +649,40 @@ def record_images_train(out, name, model, batches, seed, size=224, classes=1000)
     return record_train(out, name, model, data, loss, sgd(0.01))
 
 
-def record_mobilenet_vary_train(out, steps=12):
-    """torchvision's MobileNetV3-Large trained with SGD on a batch that varies every step (8 to
-    64 images): the loss of each step is alive when the next begins."""
+def record_batches_train(out, name, make, least, most, seed, steps=12):
+    """`make()`'s model trained with SGD on a batch that varies every step (`least` to `most`
+    images, drawn with `seed`): the loss of each step is alive when the next begins."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
+    batches = torch.randint(least, most + 1, (steps,), generator=gen).tolist()
+    print(f"{name}: batches {batches}", flush=True)
+    return record_images_train(out, name, make(), batches, seed + 1)
+
+
+def record_mobilenet_vary_train(out):
+    """torchvision's MobileNetV3-Large trained on 8 to 64 images a step."""
     import torchvision
 
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(31)
-    batches = torch.randint(8, 65, (steps,), generator=gen).tolist()
-    print(f"mobilenet-vary-train: batches {batches}", flush=True)
-    model = torchvision.models.mobilenet_v3_large()
-    return record_images_train(out, "mobilenet_vary_train", model, batches, 32)
+    make = torchvision.models.mobilenet_v3_large
+    return record_batches_train(out, "mobilenet_vary_train", make, 8, 64, 31)
+
+
+def record_effnet_vary_train(out):
+    """torchvision's EfficientNet-B0 trained on 8 to 48 images a step."""
+    import torchvision
+
+    make = torchvision.models.efficientnet_b0
+    return record_batches_train(out, "effnet_vary_train", make, 8, 48, 42)
+
+
+def record_swin_vary_train(out):
+    """timm's Swin-T trained on 4 to 32 images a step."""
+    import timm
+
+    def make():
+        return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False)
+
+    return record_batches_train(out, "swin_vary_train", make, 4, 32, 44)
 
 
 def record_resnet_epochs_train(out, epochs=3, batch=48, last=20):
@@ -730,6 +753,69 @@ def record_frcnn_infer(out, steps=10):
     return rec.write(os.path.join(out, "frcnn_infer.csv.gz"))
 
 
+def record_deeplab_infer(out, steps=12, batch=4):
+    """torchvision's DeepLabV3 (MobileNetV3-Large backbone) segmenting `batch` images a step,
+    each step's of another size (256 to 640 pixels a side)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    segmentation = torchvision.models.segmentation
+    model = segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, aux_loss=False
+    )
+    model = model.to(dev).eval()
+    gen = torch.Generator().manual_seed(41)
+    sizes = [tuple(torch.randint(256, 641, (2,), generator=gen).tolist()) for _ in range(steps)]
+    print(f"deeplab-infer: sizes {sizes}", flush=True)
+
+    def run(size):
+        h, w = size
+        model(torch.randn(batch, 3, h, w, device=dev))["out"].argmax(1).sum().item()
+
+    return record_varying(out, "deeplab_infer", model, sizes, run)
+
+
+def record_whisper_decode(out, batch=4, tokens=40):
+    """A Whisper-style encoder-decoder (4 + 4 layers, 384 wide) in fp16: the encoder over 30 s
+    of features (one step), then greedy decoding with `use_cache`, one token a step, the
+    encoder's output and the cross-attention's keys and values alive throughout."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = WhisperConfig(
+        d_model=384,
+        encoder_layers=4,
+        decoder_layers=4,
+        encoder_attention_heads=6,
+        decoder_attention_heads=6,
+        encoder_ffn_dim=1536,
+        decoder_ffn_dim=1536,
+    )
+    model = WhisperForConditionalGeneration(cfg).to(dev).half().eval()
+    features = torch.randn(batch, 80, 3000, device=dev, dtype=torch.half)
+    rec = Recorder("decode")
+    with torch.no_grad(), rec:
+        with rec.step():
+            encoded = model.model.encoder(features).last_hidden_state
+        start = torch.full((batch, 1), cfg.decoder_start_token_id, device=dev)
+        state = {"past": None, "next": start}
+        for _ in range(tokens):
+            with rec.step():
+                o = model(
+                    encoder_outputs=(encoded,),
+                    decoder_input_ids=state["next"],
+                    past_key_values=state["past"],
+                    use_cache=True,
+                )
+                state["past"] = o.past_key_values
+                state["next"] = o.logits[:, -1:].argmax(-1)
+        state.clear()
+        encoded = None
+    return rec.write(os.path.join(out, "whisper_decode.csv.gz"))
+
+
 def record_mistral_decode(out, batch=8, prompt=128, tokens=64):
     """A Mistral-style decoder (8 layers, 1024 wide, GQA 16/8) in fp16, greedy decoding with
     `use_cache`: the 128-token prompt, then one token a step."""
@@ -784,6 +870,10 @@ MODELS = {
     "mobilenet-vary-train": record_mobilenet_vary_train,
     "resnet-epochs-train": record_resnet_epochs_train,
     "gpt2-vary-train": record_gpt2_vary_train,
+    "deeplab-infer": record_deeplab_infer,
+    "effnet-vary-train": record_effnet_vary_train,
+    "swin-vary-train": record_swin_vary_train,
+    "whisper-decode": record_whisper_decode,
 }
 
 

@@ -935,6 +935,18 @@ fn layer_step(
     n: usize,
     hold: bool,
 ) -> Result<u64, Box<dyn std::error::Error>> {
+    layer_step_with(dev, name, n, hold, &[])
+}
+
+/// [`layer_step`] with a scalar (an empty workspace, a reduction) made, filled by a kernel,
+/// checked and dropped before each layer in `scalars`.
+fn layer_step_with(
+    dev: Device,
+    name: &str,
+    n: usize,
+    hold: bool,
+    scalars: &[usize],
+) -> Result<u64, Box<dyn std::error::Error>> {
     let stream = current(dev);
     let before = gpucache::device_stats(dev)?.allocs;
     let _scope = enter(name);
@@ -946,6 +958,11 @@ fn layer_step(
     let mut expect = 1.0f32;
     for layer in 0..8 {
         let b = layer as f32;
+        if scalars.contains(&layer) {
+            let mut w = Array::<f32>::empty(dev, 1)?;
+            fill(&stream, &mut w, b)?;
+            assert_eq!(w.to_vec()?, [b], "n = {n}: the scalar before layer {layer}");
+        }
         let mut wide = Array::<f32>::empty(dev, [n, 4])?;
         affine(&stream, &mut wide, &x, 1.0, b)?;
         let mut y = Array::<f32>::empty(dev, n)?;
@@ -1013,6 +1030,34 @@ fn a_longer_sequence_computes_in_its_plan_scaled(dev: Device) -> TestResult {
         }
         gpucache::invalidate(name);
     }
+    Ok(())
+}
+
+/// Scalars made before other layers in every step (as cuDNN's empty workspaces come and go
+/// with the batch) go apart, one block kept for them, and leave every layer's array on its
+/// plan: kernels compute the same values, no device allocation after the first such scalar,
+/// and a longer step with its scalars elsewhere still follows its plan scaled.
+fn scalars_extra_and_missing_leave_the_layers_on_their_plan(dev: Device) -> TestResult {
+    let name = "cuda-scalars";
+    arena(name);
+    let n = 1 << 16;
+    for _ in 0..2 {
+        layer_step_with(dev, name, n, false, &[1, 4, 7])?;
+    }
+    let mut made = 0;
+    for scalars in [&[2, 5][..], &[3], &[], &[0, 1, 2, 3, 4, 5, 6, 7]] {
+        made += layer_step_with(dev, name, n, false, scalars)?;
+    }
+    let grown = layer_step_with(dev, name, n + n / 2, false, &[6])?;
+    layer_step_with(dev, name, n + n / 2, false, &[0, 2])?;
+    let settled = layer_step_with(dev, name, n + n / 2, false, &[5])?
+        + layer_step_with(dev, name, n, false, &[1, 3])?;
+    if caching() {
+        assert!(made <= 1, "{made} device allocations for the scalars");
+        assert!(0 < grown && grown <= 2, "{grown} device allocations, grown");
+        assert_eq!(settled, 0, "planned again, both lengths fit");
+    }
+    gpucache::invalidate(name);
     Ok(())
 }
 
@@ -1130,6 +1175,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     a_loss_kept_past_its_step_keeps_its_values_in_the_block_the_next_plan_keeps,
     prompt_and_decoding_steps_compute_on_their_own_plans,
     a_longer_sequence_computes_in_its_plan_scaled,
+    scalars_extra_and_missing_leave_the_layers_on_their_plan,
     a_longer_sequence_grows_its_plans_block_in_place,
     a_spare_serves_longer_arrays_through_the_view_it_kept,
     kernels_write_cached_arrays_and_values_round_trip,

@@ -43,6 +43,14 @@
 //! room for 32 more such steps (at most an eighth more): a decoder's attention over the tokens
 //! so far grows every step, and would otherwise outgrow every plan.
 //!
+//! A step's small arrays ([`layout::SMALL`]: a scalar, a few indices) come and go where its
+//! larger ones do not (cuDNN's empty workspaces, with the batch): one more or one fewer would
+//! shift every later allocation off its position. So a small array where the plan expects a
+//! much larger one (at the step's scale: its first allocation over the plan's first position)
+//! is *extra*: it goes apart, and the position waits for the next allocation; a small position
+//! the step does not make is skipped ([`Layout::next`]). Neither makes the plan be made again.
+//! An extra array's solo block stays as a spare when its array drops, for the next one.
+//!
 //! One scope may run steps of several kinds: a server's prompt steps and decoding steps. A step
 //! is of its plan's kind when it made as many allocations, or its first allocation is within a
 //! factor of two of the recorded step's first; a step of another kind is planned apart from it,
@@ -71,14 +79,16 @@
 //! skipped, whatever its size.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
-//! class. When such a block's array drops in a later step than it was made in, the block is kept as
-//! a *spare*, for the next solo array it fits (at most four times as large; at most twice as large
+//! class. When such a block's array drops in a later step than it was made in (or, for a small
+//! array, in the step it was made in while a plan serves the steps), the block is kept as a
+//! *spare*, for the next solo array it fits (at most four times as large; at most twice as large
 //! when a new block would take the cache past the most it has held). Spares stay until a device
 //! allocation of the cache would take it past that mark ([`DeviceArena::high`]): then they go back
-//! to the device first (the smallest that makes room alone, else the oldest, and again), so that
-//! keeping them never raises the cache's peak, and a server's next request finds its predecessor's
-//! keys and values however many steps later it comes. A solo block whose array dropped within its
-//! step goes back at once: the next plan holds its bytes. A solo block's view spans the whole
+//! to the device first (the smallest that makes room alone, else the oldest, and again; small
+//! spares stay, at most [`MAX_SMALL_SPARES`]), so that keeping them never raises the cache's
+//! peak by more than 32 KiB, and a server's next request finds its predecessor's
+//! keys and values however many steps later it comes. Any other solo block whose array dropped
+//! within its step goes back at once: the next plan holds its bytes. A solo block's view spans the whole
 //! block, and a spare whose array dropped on the owner thread, used on no other stream, keeps that
 //! view ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a
 //! decoder's cache of keys and values, replaced every step, makes no view at all once its spares go
@@ -210,6 +220,10 @@ use block::{
 use device::{Awaiting, DeviceArena, Held, LooseAt, Pin, Plan, Shelved};
 use gaps::Gaps;
 use layout::{Layout, NONE, OPEN, Rec, Serve};
+
+/// The most small spares a device's planned cache keeps (see
+/// [`DeviceArena::free_spares_for`]): 32 KiB at most.
+const MAX_SMALL_SPARES: usize = 64;
 
 /// The most positions a step records; allocations past them are served apart, and the step is
 /// not planned (a scope that never exits must not grow its record without bound).
@@ -859,20 +873,37 @@ impl DeviceArena {
 
     /// Frees spares while a new block of `capacity` bytes would take the cache past the most it
     /// has held, so that keeping them never raises its peak: the smallest spare that makes room
-    /// alone, else the oldest, and again.
+    /// alone, else the oldest, and again. Small spares stay (at most [`MAX_SMALL_SPARES`] of
+    /// [`layout::SMALL`] bytes): freeing them would save next to nothing and cost a device
+    /// allocation at the next small array the plan does not hold.
     fn free_spares_for(&mut self, st: &Counters, capacity: usize) {
+        let large = |s: &Held| s.bytes() > layout::SMALL;
         loop {
             let excess = self.excess(st, capacity);
-            if excess == 0 || self.spares.is_empty() {
+            let Some(oldest) = self.spares.iter().position(large).filter(|_| excess > 0) else {
                 return;
-            }
+            };
             let i = (0..self.spares.len())
-                .filter(|&i| self.spares[i].bytes() >= excess)
+                .filter(|&i| large(&self.spares[i]) && self.spares[i].bytes() >= excess)
                 .min_by_key(|&i| self.spares[i].bytes())
-                .unwrap_or(0);
+                .unwrap_or(oldest);
             let spare = self.spares.remove(i);
             self.free_cached(st, spare.into_block());
         }
+    }
+
+    /// Whether a small solo block whose array dropped within its step is kept as a spare: a
+    /// plan serves the steps (the small arrays it does not hold come every step; the first
+    /// step's are all apart, and go back), and fewer than [`MAX_SMALL_SPARES`] small spares
+    /// are kept.
+    fn keeps_small_spare(&self) -> bool {
+        self.plan.is_some()
+            && self
+                .spares
+                .iter()
+                .filter(|s| s.bytes() <= layout::SMALL)
+                .count()
+                < MAX_SMALL_SPARES
     }
 
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
@@ -1393,11 +1424,13 @@ impl CacheState {
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),
+                // A small array the plan does not hold: apart, from a spare once warm.
+                Serve::Extra if !a.diverged => {}
                 Serve::Diverged if !a.diverged && a.grows_in_place(pos, size) => {
                     a.grown += size;
                     a.replan = true;
                 }
-                Serve::Diverged => {
+                Serve::Diverged | Serve::Extra => {
                     // The array of its position in an earlier step is still alive: this one
                     // likely outlives its step too, and goes apart (in the block it would keep
                     // the whole block from the next step).
@@ -1788,9 +1821,17 @@ impl CacheState {
     ) -> bool {
         self.live -= 1;
         let current = generation == self.generation && self.config.key.is_planned();
-        let keep = solo && escaped && current;
+        let keep = solo && current;
         match self.arenas.index(held.device()) {
-            Some(i) if keep => {
+            // A small array's block is kept too when its array dropped within its step, if a
+            // plan serves the step: small arrays the plan does not hold come every step (see
+            // `layout::SMALL`).
+            Some(i)
+                if keep
+                    && (escaped
+                        || held.bytes() <= layout::SMALL
+                            && self.arenas.devices[i].keeps_small_spare()) =>
+            {
                 let a = &mut self.arenas.devices[i];
                 cached(st, a.gauge, held.bytes());
                 a.spares.push(held);

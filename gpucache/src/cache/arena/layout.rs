@@ -7,6 +7,9 @@
 //! [`planner::greedy_by_size`], so that two positions whose recorded lifetimes overlap never
 //! share bytes (and none the bytes of an earlier step's array still alive in the block).
 //!
+//! A step's allocations are matched with the positions in order ([`Layout::next`]); small arrays
+//! ([`SMALL`]) extra or missing in a step leave the others matched (see there).
+//!
 //! In a later step, position k may be served at its offset only if no array the plan placed
 //! there is still alive. An array alive at tick k whose planned end is after k overlaps k's
 //! planned lifetime, so the plan put it elsewhere: only arrays alive *past their planned end*
@@ -34,6 +37,31 @@ const MAX_SKIP: u32 = 256;
 /// The fewest positions apart in a row, none recurring, that an allocation skips whatever its
 /// size (an optimizer's state, made in the first step only): see [`Layout::skips_run`].
 const STATE_RUN: u32 = 8;
+
+/// Arrays of at most this many aligned bytes are *small*: a scalar, a few indices. How many a
+/// step makes varies where its larger arrays' do not (cuDNN's empty workspaces, a loss's
+/// reductions, the shapes of a batch): one more or one fewer shifts every later allocation
+/// off its position. So a small array where the plan expects a much larger one is *extra*
+/// (served apart, the plan's positions waiting for the next allocation), and small positions
+/// the step does not make are skipped; see [`Layout::next`].
+pub(super) const SMALL: usize = 2 * planner::ALIGN;
+
+/// A small array where a position expects at least this many times [`SMALL`] is extra
+/// (expected: the position's size scaled by the step's first allocation).
+const SMALL_MISMATCH: u128 = 4;
+
+/// The most by which a step's first allocation may differ from the plan's first position for
+/// the plan to tell extra and missing small arrays by it (more: a step of another kind, a
+/// decoding step matched with a prompt's plan). A batch of 1 to 64 stays within it.
+const SCALES: u128 = 64;
+
+/// The largest position a larger allocation skips as missing from the step: see [`MISSING`].
+const SKIPPED: usize = 16 << 10;
+
+/// A position of at most [`SKIPPED`] bytes whose expected size is less than the allocation's by
+/// this factor is missing from the step (a quadratic size, attention scores, grows by the
+/// square of the first allocation's ratio: by 32 times more on a sequence 32 times longer).
+const MISSING: u128 = 64;
 
 /// One allocation of a step as recorded: its aligned size, the tick before which it dropped
 /// ([`OPEN`] while alive), and the plan's position it was matched with ([`NONE`] if none).
@@ -97,6 +125,9 @@ pub(super) enum Serve {
     Apart,
     /// Not from the plan: larger than planned, past the plan's end, or its bytes are taken.
     Diverged,
+    /// A small array the plan does not hold (an extra one, or one past the plan's end): served
+    /// apart, the step staying on its plan.
+    Extra,
 }
 
 /// The positions of a plan, their offsets, and which are alive.
@@ -117,6 +148,9 @@ pub(super) struct Layout {
     cursor: u32,
     /// This step skipped positions apart, or left positions unmatched.
     pub(super) skipped: bool,
+    /// The aligned size of this step's first allocation: the scale at which small arrays are
+    /// told from larger ones ([`Layout::expected`]).
+    step_first: usize,
     /// The block's size: the end of the highest position.
     pub(super) footprint: usize,
     /// The aligned size of the recorded step's first allocation.
@@ -254,6 +288,7 @@ impl Layout {
             blocked: Vec::new(),
             cursor: 0,
             skipped: false,
+            step_first: 0,
             footprint: plan.footprint,
             first: record.first().map_or(0, |r| r.bytes),
             cold: false,
@@ -309,13 +344,25 @@ impl Layout {
     /// placed is taken even when it does not fit (the same allocation, grown). Returns what the
     /// plan says and the position ([`NONE`] past the plan's end). [`Serve::At`] marks the
     /// position alive.
+    ///
+    /// Small arrays are told at the step's scale ([`Layout::expected`]): a small array where the
+    /// plan expects one more than [`SMALL_MISMATCH`] times [`SMALL`] is [`Serve::Extra`], and
+    /// the position waits for the next allocation (unless a small position apart comes soon:
+    /// [`Layout::apart_soon`]); a position of at most [`SKIPPED`] bytes expected at less than
+    /// 1/[`MISSING`] of the allocation is skipped, as one the step does not make. Neither marks
+    /// the step as having skipped positions (no reason to plan it again). A small array past
+    /// the plan's end is extra too.
     #[inline]
     pub(super) fn next(&mut self, size: usize, rec: u32) -> (Serve, u32) {
+        if rec == 0 {
+            self.step_first = size;
+        }
+        let small = size <= SMALL;
         let mut c = self.cursor;
         loop {
             self.tick_to(c);
             let Some(s) = self.spots.get(c as usize) else {
-                return (Serve::Diverged, NONE);
+                return (if small { Serve::Extra } else { Serve::Diverged }, NONE);
             };
             if s.apart {
                 if !s.recurs
@@ -333,9 +380,54 @@ impl Layout {
                 self.cursor = c + 1;
                 return (Serve::Apart, c);
             }
+            if s.size <= SKIPPED
+                && self
+                    .expected(s.size)
+                    .is_some_and(|e| e * MISSING < size as u128)
+            {
+                // A position this step does not make (much smaller than this allocation at
+                // the step's scale): a later one is this allocation's.
+                c += 1;
+                continue;
+            }
+            if small
+                && s.size > SMALL
+                && self
+                    .expected(s.size)
+                    .is_some_and(|e| e > SMALL_MISMATCH * SMALL as u128)
+                && !self.apart_soon(c, size)
+            {
+                // An extra small array, where the recorded step made a larger one: the position
+                // waits for the next allocation.
+                return (Serve::Extra, NONE);
+            }
             self.cursor = c + 1;
             return (self.serve(c, size, rec), c);
         }
+    }
+
+    /// The size a position of `size` bytes is expected to hold in this step: scaled by the
+    /// ratio of the step's first allocation to the plan's first position. `None` when they
+    /// differ by more than [`SCALES`] (a step of another kind), or either is small.
+    fn expected(&self, size: usize) -> Option<u128> {
+        // The first position's size, as planned: merged from several steps, the positions'
+        // sizes are the largest of each, and so is the first's.
+        let first = self.spots.first().map_or(0, |s| s.size) as u128;
+        let now = self.step_first as u128;
+        let small = SMALL as u128;
+        (first > small && now > small && now * SCALES >= first && now <= first * SCALES)
+            .then(|| size as u128 * now / first)
+    }
+
+    /// Whether a position apart near `size` comes within [`STATE_RUN`] positions after `c`: a
+    /// small array there is likely that one (a loss kept past its step, made a little earlier
+    /// than in the recorded step), not an extra one.
+    fn apart_soon(&self, c: u32, size: usize) -> bool {
+        let lo = c as usize + 1;
+        let hi = (lo + STATE_RUN as usize).min(self.spots.len());
+        self.spots
+            .get(lo..hi)
+            .is_some_and(|after| after.iter().any(|s| s.apart && near(size, s.size)))
     }
 
     /// Whether an allocation of `size` bytes that is not near position `c`'s size (apart)
@@ -382,6 +474,7 @@ impl Layout {
         let s = self.spots.get(c as usize)?;
         (!s.apart
             && size <= s.size
+            && (size > SMALL || s.size <= SMALL)
             && !s.live
             && self.overdue.is_empty()
             && self.blocked.is_empty())
@@ -486,12 +579,25 @@ impl Layout {
 
     /// The bytes the step recorded so far as `record` asked for at the plan's placed positions
     /// and the bytes those positions hold, then the same for the largest of those positions,
-    /// when the step was matched with the plan position by position (`None` otherwise).
+    /// when the step was matched with the plan position by position, small arrays extra and
+    /// small positions skipped aside (`None` otherwise).
     fn growth(&self, record: &[Rec]) -> Option<((u128, u128), (u128, u128))> {
         let (mut asked, mut planned) = (0u128, 0u128);
         let mut largest = (0u128, 0u128);
-        for (k, r) in record.iter().enumerate() {
-            let s = self.spots.get(k).filter(|_| r.planned as usize == k)?;
+        // The next position in order: the positions between it and the one matched are small
+        // ones the step skipped; extra small arrays match none.
+        let mut next = 0usize;
+        for r in record {
+            if r.planned == NONE && r.bytes <= SMALL {
+                continue;
+            }
+            let k = r.planned as usize;
+            let skipped = self.spots.get(next..k)?;
+            if skipped.iter().any(|s| s.apart || s.size > SMALL) {
+                return None;
+            }
+            let s = self.spots.get(k)?;
+            next = k + 1;
             if !s.apart {
                 asked += r.bytes as u128;
                 planned += s.size as u128;
@@ -804,7 +910,9 @@ mod tests {
         for _ in 0..4 {
             l.next(256, 0);
         }
-        assert_eq!(l.next(256, 4), (Serve::Diverged, NONE));
+        assert_eq!(l.next(1024, 4), (Serve::Diverged, NONE));
+        // A small array past the end is extra: the step stays on its plan.
+        assert_eq!(l.next(256, 4), (Serve::Extra, NONE));
     }
 
     fn matched(bytes: usize, end: u32, planned: u32) -> Rec {
@@ -908,6 +1016,77 @@ mod tests {
         assert!(!l.outgrown(&shifted, 1024));
         let smaller = [matched(512, 1, 0), matched(1024, 2, 1)];
         assert!(!l.outgrown(&smaller, 1024));
+    }
+
+    /// Three layers of 64 KiB, each alive until the next but one is made.
+    fn layers() -> Vec<Rec> {
+        vec![rec(65536, 2), rec(65536, 3), rec(65536, 4)]
+    }
+
+    #[test]
+    fn an_extra_small_array_leaves_the_next_position_to_the_next_allocation() {
+        let mut l = Layout::new(&layers(), None);
+        assert!(matches!(l.next(65536, 0).0, Serve::At(_)));
+        // A scalar where the second layer is expected (an empty workspace): served apart.
+        assert_eq!(l.next(256, 1), (Serve::Extra, NONE));
+        assert!(l.peek(256).is_none(), "not on the hit path either");
+        assert_eq!(l.next(65536, 2).1, 1, "the second layer takes its position");
+        assert_eq!(l.next(65536, 3).1, 2);
+        assert!(l.end_step(), "followed: no plan is made again for it");
+    }
+
+    #[test]
+    fn a_small_position_the_step_does_not_make_is_skipped() {
+        // A scalar between the first two layers in the recorded step only.
+        let mut recorded = layers();
+        recorded.insert(1, rec(256, 2));
+        let mut l = Layout::new(&recorded, None);
+        assert!(matches!(l.next(65536, 0).0, Serve::At(_)));
+        assert_eq!(l.next(65536, 1).1, 2, "the scalar's position is skipped");
+        assert_eq!(l.next(65536, 2).1, 3);
+        for k in [0, 2, 3] {
+            l.dropped(k);
+        }
+        assert!(
+            l.end_step(),
+            "a small position skipped is no reason to plan again"
+        );
+        // A step that makes it takes it.
+        assert!(matches!(l.next(65536, 0).0, Serve::At(_)));
+        assert_eq!(l.next(256, 1).1, 1);
+    }
+
+    #[test]
+    fn small_arrays_are_told_apart_at_the_scale_of_their_step() {
+        // Recorded with a batch of 48: a layer and an array of 48 x 128 bytes.
+        let recorded = vec![rec(48 * 4096, 2), rec(48 * 512, 3), rec(48 * 4096, 4)];
+        // A batch of 1: its 512 bytes are the same array, 48 times smaller.
+        let mut l = Layout::new(&recorded, None);
+        assert!(matches!(l.next(4096, 0).0, Serve::At(_)));
+        assert_eq!(l.next(512, 1).1, 1);
+        // A step of another kind (its first allocation 1/192 of the recorded one's): its
+        // sizes say nothing of extra arrays, which take the positions as they come.
+        let mut l = Layout::new(&recorded, None);
+        assert!(matches!(l.next(1024, 0).0, Serve::At(_)));
+        assert_eq!(l.next(256, 1).1, 1);
+    }
+
+    #[test]
+    fn a_step_with_small_arrays_extra_and_missing_may_still_outgrow_and_scale() {
+        let mut recorded = layers();
+        recorded.insert(1, rec(256, 2));
+        let l = Layout::new(&recorded, None);
+        // Twice as large, one scalar extra and the recorded one missing.
+        let larger = [
+            matched(2 * 65536, 2, 0),
+            matched(256, 2, NONE),
+            matched(2 * 65536, 3, 2),
+        ];
+        assert!(l.outgrown(&larger, l.footprint));
+        assert!(l.scales(&larger));
+        // A larger position skipped: not matched in order.
+        let skipped = [matched(2 * 65536, 2, 0), matched(2 * 65536, 3, 3)];
+        assert!(!l.outgrown(&skipped, l.footprint));
     }
 
     /// Whether two positions' planned lifetimes overlap.

@@ -96,6 +96,22 @@ fn of_two_gaps_the_tighter_one_is_taken() {
 }
 
 #[test]
+fn placed_as_allocated_when_largest_first_holds_more() {
+    // Largest first: a and d share 0..768, b goes above a, and c meets b and d: above them all,
+    // 1536 bytes. As allocated, c takes a's place (a dropped) and d goes above c: the peak.
+    let lives = [
+        life(768, 0, 2),
+        life(512, 1, 3),
+        life(256, 2, 4),
+        life(768, 3, 5),
+    ];
+    let plan = greedy_by_size(&lives);
+    assert_eq!(plan.offsets, [0, 768, 0, 256]);
+    assert_eq!(plan.footprint, 1280);
+    assert_eq!(peak_live(&lives), 1280);
+}
+
+#[test]
 fn an_empty_step_plans_nothing() {
     let plan = greedy_by_size(&[]);
     assert!(plan.offsets.is_empty());

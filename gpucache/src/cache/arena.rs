@@ -877,14 +877,17 @@ impl DeviceArena {
     /// [`layout::SMALL`] bytes): freeing them would save next to nothing and cost a device
     /// allocation at the next small array the plan does not hold.
     fn free_spares_for(&mut self, st: &Counters, capacity: usize) {
-        let large = |s: &Held| s.bytes() > layout::SMALL;
         loop {
             let excess = self.excess(st, capacity);
-            let Some(oldest) = self.spares.iter().position(large).filter(|_| excess > 0) else {
+            let small = |s: &Held| s.bytes() <= layout::SMALL;
+            let smalls = self.spares.iter().filter(|s| small(s)).count();
+            // Small spares past the most kept (arrays apart, dropped after their step) may go.
+            let may_go = |s: &Held| !small(s) || smalls > MAX_SMALL_SPARES;
+            let Some(oldest) = self.spares.iter().position(may_go).filter(|_| excess > 0) else {
                 return;
             };
             let i = (0..self.spares.len())
-                .filter(|&i| large(&self.spares[i]) && self.spares[i].bytes() >= excess)
+                .filter(|&i| may_go(&self.spares[i]) && self.spares[i].bytes() >= excess)
                 .min_by_key(|&i| self.spares[i].bytes())
                 .unwrap_or(oldest);
             let spare = self.spares.remove(i);

@@ -129,32 +129,28 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan {
     let by_size = size_order(lives);
     let overlaps = Overlaps::of(lives);
-    let best = place(lives, &by_size, &overlaps, true, taken);
     let live = peak_live(lives);
-    if best.footprint <= live + live / FIRST_FIT_WITHIN {
-        // At the lower bound, or so near it that first fit could save little: kept.
-        return best;
-    }
-    let first = place(lives, &by_size, &overlaps, false, taken);
-    // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%).
-    let best = if first.footprint < best.footprint {
-        first
-    } else {
-        best
-    };
-    if best.footprint <= live + live / FIRST_FIT_WITHIN {
-        return best;
-    }
-    // Largest first is not always the better order either: placed as they were allocated,
+    // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%), and
+    // largest first is not always the better order either: placed as they were allocated,
     // Swin-T's steps take their peak live bytes, where largest first took 1.113 times them.
-    let mut in_order: Vec<usize> = (0..lives.len()).collect();
-    in_order.sort_by_key(|&i| (lives[i].start, i));
-    let allocated = place(lives, &in_order, &overlaps, true, taken);
-    if allocated.footprint < best.footprint {
-        allocated
-    } else {
-        best
+    let other_tries: [&dyn Fn() -> Plan; 2] =
+        [&|| place(lives, &by_size, &overlaps, false, taken), &|| {
+            let mut in_order: Vec<usize> = (0..lives.len()).collect();
+            in_order.sort_by_key(|&i| (lives[i].start, i));
+            place(lives, &in_order, &overlaps, true, taken)
+        }];
+    let mut best = place(lives, &by_size, &overlaps, true, taken);
+    for other in other_tries {
+        if best.footprint <= live + live / FIRST_FIT_WITHIN {
+            // At the lower bound, or so near it that another plan could save little: kept.
+            break;
+        }
+        let plan = other();
+        if plan.footprint < best.footprint {
+            best = plan;
+        }
     }
+    best
 }
 
 /// The indices of `lives`, largest first; ties by start, then position, so that the plan is

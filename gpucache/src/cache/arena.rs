@@ -879,10 +879,9 @@ impl DeviceArena {
     fn free_spares_for(&mut self, st: &Counters, capacity: usize) {
         loop {
             let excess = self.excess(st, capacity);
-            let small = |s: &Held| s.bytes() <= layout::SMALL;
-            let smalls = self.spares.iter().filter(|s| small(s)).count();
             // Small spares past the most kept (arrays apart, dropped after their step) may go.
-            let may_go = |s: &Held| !small(s) || smalls > MAX_SMALL_SPARES;
+            let smalls = self.small_spares();
+            let may_go = |s: &Held| s.bytes() > layout::SMALL || smalls > MAX_SMALL_SPARES;
             let Some(oldest) = self.spares.iter().position(may_go).filter(|_| excess > 0) else {
                 return;
             };
@@ -900,13 +899,13 @@ impl DeviceArena {
     /// step's are all apart, and go back), and fewer than [`MAX_SMALL_SPARES`] small spares
     /// are kept.
     fn keeps_small_spare(&self) -> bool {
-        self.plan.is_some()
-            && self
-                .spares
-                .iter()
-                .filter(|s| s.bytes() <= layout::SMALL)
-                .count()
-                < MAX_SMALL_SPARES
+        self.plan.is_some() && self.small_spares() < MAX_SMALL_SPARES
+    }
+
+    /// The spares of at most [`layout::SMALL`] bytes.
+    fn small_spares(&self) -> usize {
+        let small = |s: &&Held| s.bytes() <= layout::SMALL;
+        self.spares.iter().filter(small).count()
     }
 
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the

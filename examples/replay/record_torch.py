@@ -800,20 +800,34 @@ def record_whisper_decode(out, batch=4, tokens=40):
         with rec.step():
             encoded = model.model.encoder(features).last_hidden_state
         start = torch.full((batch, 1), cfg.decoder_start_token_id, device=dev)
-        state = {"past": None, "next": start}
-        for _ in range(tokens):
-            with rec.step():
-                o = model(
-                    encoder_outputs=(encoded,),
-                    decoder_input_ids=state["next"],
-                    past_key_values=state["past"],
-                    use_cache=True,
-                )
-                state["past"] = o.past_key_values
-                state["next"] = o.logits[:, -1:].argmax(-1)
-        state.clear()
+        last = decode_greedy(
+            rec, model, start, tokens, "decoder_input_ids", encoder_outputs=(encoded,)
+        )
         encoded = None
+    del last
     return rec.write(os.path.join(out, "whisper_decode.csv.gz"))
+
+
+def decode_greedy(rec, model, ids, steps, ids_arg="input_ids", **inputs):
+    """`steps` steps of `rec`, each a call of `model` with `use_cache` on the last step's token
+    (first on `ids`: a prompt, a start token) passed as `ids_arg`, and `inputs`; greedy. The
+    keys and values and the last token are let go at the end; the last step's output is
+    returned, for the caller to keep until recording ends (as a loop variable of its own
+    would)."""
+    state = {"past": None, "next": ids}
+    o = None
+    for _ in range(steps):
+        with rec.step():
+            o = model(
+                **{ids_arg: state["next"]},
+                past_key_values=state["past"],
+                use_cache=True,
+                **inputs,
+            )
+            state["past"] = o.past_key_values
+            state["next"] = o.logits[:, -1:].argmax(-1)
+    state.clear()
+    return o
 
 
 def record_mistral_decode(out, batch=8, prompt=128, tokens=64):
@@ -833,15 +847,10 @@ def record_mistral_decode(out, batch=8, prompt=128, tokens=64):
     )
     model = MistralForCausalLM(cfg).to(dev).half().eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=dev)
-    state = {"past": None, "next": ids}
     rec = Recorder("decode")
     with torch.no_grad(), rec:
-        for _ in range(tokens + 1):  # the prompt, then one token a step
-            with rec.step():
-                o = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
-                state["past"] = o.past_key_values
-                state["next"] = o.logits[:, -1:].argmax(-1)
-        state.clear()
+        last = decode_greedy(rec, model, ids, tokens + 1)  # the prompt, then one token a step
+    del last
     return rec.write(os.path.join(out, "mistral_decode.csv.gz"))
 
 

@@ -80,6 +80,23 @@ pub struct Plan {
 
 /// The most bytes alive at once among `lives`: the least any plan can take.
 pub fn peak_live(lives: &[Lifetime]) -> usize {
+    // A step's ticks are its allocations: their net changes, tick by tick, need no sort (a
+    // sort of the events was most of a plan's time on an inference step of 170 arrays).
+    let last = lives.iter().map(|l| l.start.max(l.end)).max().unwrap_or(0) as usize;
+    if last <= 4 * lives.len() + 64 {
+        let mut net = vec![0isize; last + 1];
+        for l in lives {
+            net[l.start as usize] += l.bytes as isize;
+            net[l.end as usize] -= l.bytes as isize;
+        }
+        // At one tick, drops come before allocations: the most alive is at a tick's end.
+        let (mut live, mut peak) = (0isize, 0isize);
+        for d in net {
+            live += d;
+            peak = peak.max(live);
+        }
+        return peak as usize;
+    }
     let mut events: Vec<(u32, isize)> = Vec::with_capacity(2 * lives.len());
     for l in lives {
         events.push((l.start, l.bytes as isize));

@@ -269,6 +269,15 @@ impl Block {
         self.storage.device()
     }
 
+    /// The address of the memory's first byte (host or device), for debug checks.
+    pub(crate) fn address(&self) -> usize {
+        match &*self.storage {
+            Storage::Host(h) => h.ptr().as_ptr().addr(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => *c.ptr() as usize,
+        }
+    }
+
     /// The host allocation, when the memory is host memory.
     #[inline]
     pub(crate) fn host(&self) -> Option<&HostBuf> {

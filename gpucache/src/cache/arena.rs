@@ -15,8 +15,9 @@
 //! largest size. Until then, a step that outgrew the plan (matched with it position by
 //! position, and larger in all than the block allows) gets solo blocks while the plan's block is
 //! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
-//! the ratio in which the step grew ([`Layout::scale`]), serves the rest of the step from one new
-//! block. The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
+//! the ratio in which the step grew ([`Layout::scale`]; its rest placed again when the arrays
+//! made before would keep bytes of it unused), serves the rest of the step from one new block.
+//! The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
 //! offsets, and the views made at them, stay); else the next plan keeps the block when it fits.
 //! Any other step (another order, extra or missing allocations, an array kept alive) is served
 //! from the block's free ranges ([`Gaps`]), and so is a step that outgrew its plan when waiting
@@ -337,6 +338,17 @@ impl Plan {
         }
     }
 
+    /// The step its layout was placed again for ended ([`Layout::whole_again`]): the idle views
+    /// of its positions go loose first, at the offsets they were made at. Returns whether the
+    /// layout is the plan scaled whole again.
+    fn whole_again(&mut self) -> bool {
+        if !self.layout.one_step {
+            return false;
+        }
+        self.loosen_views();
+        self.layout.whole_again()
+    }
+
     /// Takes the loose views out of the plan (after [`Plan::loosen_views`], every idle view),
     /// for a plan made again on the same block ([`Plan::adopt_loose`]).
     fn take_loose(&mut self) -> Loose {
@@ -456,7 +468,14 @@ impl Plan {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
         let mut view = match kept {
-            Some(view) => view,
+            Some(view) => {
+                debug_assert_eq!(
+                    view.address(),
+                    counts.block.address() + offset,
+                    "a view kept for another offset"
+                );
+                view
+            }
             None => {
                 let span = counts.block.bytes() - offset;
                 let owner: *const dyn Backend = arena.as_ptr().cast_const();
@@ -857,6 +876,15 @@ impl DeviceArena {
         Some(held)
     }
 
+    /// The bytes a new block may take without taking the cache past the most it has held on
+    /// the device ([`DeviceArena::high`]), once what it keeps for later (the spares, the block
+    /// given up) goes back or grows.
+    fn room(&self, st: &Counters) -> usize {
+        let kept: usize = self.spares.iter().map(Held::bytes).sum::<usize>()
+            + self.given_up.as_ref().map_or(0, |(b, _)| b.bytes());
+        self.high.saturating_sub(self.held(st).saturating_sub(kept))
+    }
+
     /// Whether a new block of `capacity` bytes would take the cache past the most it has held
     /// on the device ([`DeviceArena::high`]).
     fn would_pass_high(&self, st: &Counters, capacity: usize) -> bool {
@@ -911,6 +939,7 @@ impl DeviceArena {
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
     /// least recently used shelved plan goes when the shelf is full).
     fn shelve(&mut self, layout: Layout) {
+        debug_assert!(!layout.one_step, "a layout for one step shelved");
         if self.shelf.len() >= MAX_SHELVED {
             // The least recently used goes, but never the plan of the largest footprint (unless
             // `layout` is larger): a step of a kind no shelved plan fits (a larger batch than
@@ -1208,10 +1237,12 @@ impl DeviceArena {
         let mut retired = 0;
         let n = self.record.len();
         let mut followed = false;
+        let mut whole_again = false;
         if let Some(plan) = &mut self.plan {
             plan.settle_remote_drops(st, self.gauge);
             plan.layout.confirmed |= !self.diverged && plan.layout.reached_end();
             followed = plan.layout.end_step();
+            whole_again = plan.whole_again();
             plan.ready = false;
         }
         // A block that another stream used, or whose pins are old, leaves the plan.
@@ -1221,13 +1252,24 @@ impl DeviceArena {
             .as_ref()
             .is_some_and(|p| p.tainted || p.pins.iter().any(|pin| pin.is_old(step)));
         // A step served from its plan scaled, which holds it as it was: the scaled plan is kept
-        // (planned again, its offsets would change, and every view be made again).
+        // (planned again, its offsets would change, and every view be made again), unless it
+        // is still placed for the rest of the step only (arrays of the step are alive).
         let kept = self.scaled
             && !self.diverged
             && self
                 .plan
                 .as_ref()
-                .is_some_and(|p| p.layout.holds(&self.record));
+                .is_some_and(|p| !p.layout.one_step && p.layout.holds(&self.record));
+        // Kept after a step placed for its rest only (the plan scaled whole again), the block,
+        // made for the rest, may be smaller than the plan: it goes (kept to grow, if it can).
+        if kept
+            && whole_again
+            && let Some(plan) = &mut self.plan
+            && plan.block_bytes() < plan.layout.footprint
+            && let Some((b, in_use)) = plan.take_block()
+        {
+            retired += usize::from(self.detach(st, b, in_use, true));
+        }
         if self.served_unplanned(tainted)
             && let Some(plan) = &mut self.plan
         {
@@ -1289,7 +1331,8 @@ impl DeviceArena {
                 old.loosen_views();
                 loose = Some(old.take_loose());
                 let block = old.take_block();
-                if keep_old {
+                // A layout placed for the rest of its step is no plan for another.
+                if keep_old && !old.layout.one_step {
                     self.shelve(old.layout);
                 }
                 block
@@ -1460,13 +1503,14 @@ impl CacheState {
                         self.live += usize::from(a.release_unused_block(st));
                     }
                     let a = &mut self.arenas.devices[i];
+                    let room = a.room(st);
                     if a.outgrew
                         && !again
                         && pos != NONE
                         && let Some(plan) = &mut a.plan
                         && plan.block.is_none()
                         && 2 * rec < plan.layout.len() as u32
-                        && plan.layout.scale(&a.record)
+                        && plan.layout.scale(&a.record, pos, room)
                     {
                         // The step outgrew its plan and the old block is gone: the plan scaled
                         // serves the rest of the step (in a new block, made for this

@@ -187,6 +187,42 @@ fn a_much_smaller_step_unlike_the_last_ones_is_not_planned() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// Kinds of step taking turns in one scope (inputs whose structure changes with their size:
+/// cuDNN picks other algorithms, a model other paths) keep a plan each, up to the shelf's room:
+/// six kinds, each of its own count and first size, are planned while they come the first
+/// times, then follow their plans, with no plan made and no device allocation (with three
+/// shelved, the kind whose plan went last came back to another kind's plan, and was planned
+/// again, at every turn).
+#[test]
+fn six_kinds_of_step_taking_turns_keep_a_plan_each() {
+    let name = "unit-six-kinds";
+    let (backend, _installed, _serial) = planned(name);
+    // The first array four times the kind before's, then one large array that every kind
+    // makes (so that none is much smaller than the others), k small ones and a larger one: no
+    // kind's step is another's with smaller arrays.
+    let kind = |k: usize| -> Vec<usize> {
+        (0..k + 4)
+            .map(|i| match i {
+                0 => 256 << (2 * k),
+                1 => 1 << 18,
+                i if i == k + 3 => 4096,
+                _ => 256,
+            })
+            .collect()
+    };
+    for _ in 0..3 {
+        (0..6).for_each(|k| chain_step(name, &kind(k)));
+    }
+    let (made, allocs) = (plans(), backend.allocs());
+    for _ in 0..2 {
+        (0..6).for_each(|k| chain_step(name, &kind(k)));
+    }
+    assert_eq!(plans(), made, "every kind kept its plan");
+    assert_eq!(backend.allocs(), allocs, "served from the plans' block");
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// Arrays that outlive their step (a model's inputs, kept into the next step) vary in size: a
 /// spare up to four times an array's size serves it while a new block would keep the cache
 /// within the most it has held, rather than a device allocation.

@@ -19,6 +19,13 @@
 //! position's. That holds whatever the step does (an array kept alive, an escape, a drop the
 //! owner does not see), so a live array's memory is never handed out twice. The check is O(1)
 //! on a step that follows its plan (no overdue position), O(overdue) otherwise.
+//!
+//! A step that outgrows its plan may be served the rest of the way from the plan scaled, in a
+//! new block that holds none of its arrays ([`Layout::scale`]); its positions from there on may
+//! be placed again, among themselves only ([`Layout::one_step`]): the positions before keep
+//! offsets that later ones may share, which is safe because none of them is alive in the new
+//! block or served again in the step, and the layout is never used for another step as it is
+//! ([`Layout::whole_again`] makes it the plan scaled whole again, a valid plan).
 
 use crate::planner::{self, Lifetime};
 

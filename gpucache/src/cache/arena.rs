@@ -1506,7 +1506,8 @@ impl CacheState {
                         self.live += usize::from(a.release_unused_block(st));
                     }
                     let a = &mut self.arenas.devices[i];
-                    let room = a.room(st);
+                    // Only a step that outgrew its plan is scaled.
+                    let room = if a.outgrew { a.room(st) } else { 0 };
                     if a.outgrew
                         && !again
                         && pos != NONE

@@ -674,10 +674,11 @@ impl Layout {
     /// holds its place twice. When such bytes are more than [`REST_WASTE`]th of the scaled
     /// footprint, and the block would take the cache past the most it has held (it needs more
     /// than `room` bytes: else there is no peak to save, and a plan costs host time), the
-    /// positions from `from` on are placed again ([`planner::greedy_by_size`]) from their
-    /// scaled sizes and planned lifetimes alone, and the block holds the peak of the rest of
-    /// the step rather than the whole step's (ViT-B inference: 1.087x of peak live scaled
-    /// whole, 1.053x placed again), when that saves more than a [`REST_WASTE`]th. The layout
+    /// positions from `from` on are placed again: those bytes taken out where no later position
+    /// meets them ([`Layout::close_up`]), else from their scaled sizes and planned lifetimes
+    /// alone ([`planner::greedy_by_size`]), and the block holds the peak of the rest of the step
+    /// rather than the whole step's (ViT-B inference: 1.087x of peak live scaled whole, 1.053x
+    /// placed again), when that saves more than a [`REST_WASTE`]th. The layout
     /// is then [`Layout::one_step`]: the positions before `from` keep offsets that the others
     /// may overlap; at the step's end it is the plan scaled whole again
     /// ([`Layout::whole_again`]), or, with arrays of the step alive, planned again.

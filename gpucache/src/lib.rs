@@ -182,7 +182,9 @@
 //!   largest size. Until then, if it outgrew the plan (the same allocations, larger in all: a
 //!   longer sequence, a larger batch), the plan's block is given back as soon as no array uses
 //!   it, and the rest of the step follows the plan scaled by the ratio in which the step grew,
-//!   in one new block (an array larger than its scaled place is served apart). When waiting
+//!   in one new block (an array larger than its scaled place is served apart; the rest of the
+//!   plan is placed again without the arrays served before, which are not in that block, when
+//!   they would keep much of it unused: an input alive through the step). When waiting
 //!   for the old block would cost too much (arrays planned to live past the first eighth of the
 //!   rest of the step keep it in use, half its size went apart while waiting, or the step can no
 //!   longer follow the plan scaled), or if the step did not outgrow the plan (an array kept
@@ -198,7 +200,7 @@
 //!   for the position after it, so that the next steps' temporaries of the same sizes are
 //!   planned, not served apart one by one.
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
-//!   plan each, up to four, sharing the block: a step's first allocation picks the plan made
+//!   plan each, up to nine, sharing the block: a step's first allocation picks the plan made
 //!   for steps like it. A step that follows its plan and ends early (evaluation after training,
 //!   both beginning with the same forward pass) is served by that plan. A step much smaller
 //!   than its plan that leaves it (a smaller batch in another order) and is unlike the last few

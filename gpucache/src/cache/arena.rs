@@ -342,14 +342,12 @@ impl Plan {
     }
 
     /// The step its layout was placed again for ended ([`Layout::whole_again`]): the idle views
-    /// of its positions go loose first, at the offsets they were made at. Returns whether the
-    /// layout is the plan scaled whole again.
-    fn whole_again(&mut self) -> bool {
-        if !self.layout.one_step {
-            return false;
+    /// of its positions go loose first, at the offsets they were made at.
+    fn whole_again(&mut self) {
+        if self.layout.one_step() {
+            self.loosen_views();
+            self.layout.whole_again();
         }
-        self.loosen_views();
-        self.layout.whole_again()
     }
 
     /// Takes the loose views out of the plan (after [`Plan::loosen_views`], every idle view),
@@ -942,7 +940,7 @@ impl DeviceArena {
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
     /// least recently used shelved plan goes when the shelf is full).
     fn shelve(&mut self, layout: Layout) {
-        debug_assert!(!layout.one_step, "a layout for one step shelved");
+        debug_assert!(!layout.one_step(), "a layout for one step shelved");
         if self.shelf.len() >= MAX_SHELVED {
             // The least recently used goes, but never the plan of the largest footprint (unless
             // `layout` is larger): a step of a kind no shelved plan fits (a larger batch than
@@ -1240,12 +1238,11 @@ impl DeviceArena {
         let mut retired = 0;
         let n = self.record.len();
         let mut followed = false;
-        let mut whole_again = false;
         if let Some(plan) = &mut self.plan {
             plan.settle_remote_drops(st, self.gauge);
             plan.layout.confirmed |= !self.diverged && plan.layout.reached_end();
             followed = plan.layout.end_step();
-            whole_again = plan.whole_again();
+            plan.whole_again();
             plan.ready = false;
         }
         // A block that another stream used, or whose pins are old, leaves the plan.
@@ -1262,11 +1259,10 @@ impl DeviceArena {
             && self
                 .plan
                 .as_ref()
-                .is_some_and(|p| !p.layout.one_step && p.layout.holds(&self.record));
-        // Kept after a step placed for its rest only (the plan scaled whole again), the block,
-        // made for the rest, may be smaller than the plan: it goes (kept to grow, if it can).
+                .is_some_and(|p| !p.layout.one_step() && p.layout.holds(&self.record));
+        // A kept plan's block smaller than the plan (one made for the rest of a step placed
+        // again, the plan scaled whole again) goes (kept to grow, if it can).
         if kept
-            && whole_again
             && let Some(plan) = &mut self.plan
             && plan.block_bytes() < plan.layout.footprint
             && let Some((b, in_use)) = plan.take_block()
@@ -1335,7 +1331,7 @@ impl DeviceArena {
                 loose = Some(old.take_loose());
                 let block = old.take_block();
                 // A layout placed for the rest of its step is no plan for another.
-                if keep_old && !old.layout.one_step {
+                if keep_old && !old.layout.one_step() {
                     self.shelve(old.layout);
                 }
                 block

@@ -171,10 +171,8 @@ pub(super) struct Layout {
     pub(super) cold: bool,
     /// A step followed it from its first position to its last.
     pub(super) confirmed: bool,
-    /// Placed again for the rest of a step that outgrew it ([`Layout::scale`]): a layout for
-    /// that step only, never a plan for another.
-    pub(super) one_step: bool,
-    /// While [`Layout::one_step`]: the plan scaled whole ([`Layout::whole_again`]).
+    /// When the rest of a step that outgrew the plan was placed again ([`Layout::scale`]): the
+    /// plan scaled whole, which [`Layout::whole_again`] restores ([`Layout::one_step`]).
     whole: Option<Whole>,
     /// The steps it has served ([`Layout::end_step`]; wraps).
     epoch: u32,
@@ -317,7 +315,6 @@ impl Layout {
             first: record.first().map_or(0, |r| r.bytes),
             cold: false,
             confirmed: false,
-            one_step: false,
             whole: None,
             epoch: 0,
         }
@@ -683,6 +680,11 @@ impl Layout {
     /// may overlap; at the step's end it is the plan scaled whole again
     /// ([`Layout::whole_again`]), or, with arrays of the step alive, planned again.
     pub(super) fn scale(&mut self, record: &[Rec], from: u32, room: usize) -> bool {
+        if self.one_step() {
+            // Placed again for this step already: its earlier positions' offsets are no plan to
+            // scale, and the plan scaled whole must stay the one kept.
+            return false;
+        }
         let Some((asked, planned)) = self.scaling(record) else {
             return false;
         };
@@ -708,22 +710,25 @@ impl Layout {
             s.size = end - start;
         }
         self.footprint = footprint;
-        let unused: usize = self.spots[..from]
+        // The bytes kept for the arrays before `from` planned to live on past it, scaled.
+        let before: Vec<(usize, usize)> = self.spots[..from]
             .iter()
-            .filter(|s| !s.apart && s.end as usize > from)
-            .map(|s| s.size)
-            .sum();
+            .filter(|s| !s.apart && s.end as usize > from && s.size > 0)
+            .map(|s| (s.offset, s.offset + s.size))
+            .collect();
+        let unused: usize = before.iter().map(|(lo, hi)| hi - lo).sum();
         if footprint > room && unused > footprint / REST_WASTE {
-            self.place_rest(from, &rest);
+            self.place_rest(before, &rest);
         }
         true
     }
 
-    /// Places the positions of `rest` (each with its size) again, at their planned lifetimes,
-    /// for the rest of a step in a new block (see [`Layout::scale`]): the layout is then for
-    /// that step only.
-    fn place_rest(&mut self, from: usize, rest: &[(usize, usize)]) {
-        if self.close_up(from, rest) {
+    /// Places the positions of `rest` (each with its size) again, for the rest of a step in a
+    /// new block (see [`Layout::scale`]), without the ranges `before` that the plan scaled whole
+    /// keeps for arrays made earlier: closed up, else at their planned lifetimes by the planner.
+    /// The layout is then for that step only.
+    fn place_rest(&mut self, before: Vec<(usize, usize)>, rest: &[(usize, usize)]) {
+        if self.close_up(before, rest) {
             return;
         }
         let lives: Vec<Lifetime> = rest
@@ -752,17 +757,12 @@ impl Layout {
         self.for_one_step(placed, plan.footprint);
     }
 
-    /// Places the rest of a step (the positions of `rest`, from `from` on) in the plan scaled
-    /// whole with the bytes it keeps for the arrays made before taken out, when no position of
-    /// the rest meets them and they are more than a [`REST_WASTE`]th of the footprint: each
+    /// Places the rest of a step (the positions of `rest`) in the plan scaled whole with the
+    /// ranges `holes` it keeps for the arrays made before taken out, where no position of the
+    /// rest meets them, when that is more than a [`REST_WASTE`]th of the footprint: each
     /// position moves down by the bytes taken out below it (an input alive through the step
     /// leaves its place so; no plan made). Returns whether it did.
-    fn close_up(&mut self, from: usize, rest: &[(usize, usize)]) -> bool {
-        let mut holes: Vec<(usize, usize)> = self.spots[..from]
-            .iter()
-            .filter(|s| !s.apart && s.end as usize > from && s.size > 0)
-            .map(|s| (s.offset, s.offset + s.size))
-            .collect();
+    fn close_up(&mut self, mut holes: Vec<(usize, usize)>, rest: &[(usize, usize)]) -> bool {
         holes.sort_unstable();
         let mut merged: Vec<(usize, usize)> = Vec::with_capacity(holes.len());
         for (lo, hi) in holes {
@@ -822,21 +822,25 @@ impl Layout {
             footprint: self.footprint,
         });
         self.footprint = footprint;
-        self.one_step = true;
+    }
+
+    /// Whether the layout was placed again for the rest of a step that outgrew it
+    /// ([`Layout::scale`]): a layout for that step only, never a plan for another.
+    pub(super) fn one_step(&self) -> bool {
+        self.whole.is_some()
     }
 
     /// The step a layout was placed for ([`Layout::one_step`]) ended with none of its arrays
     /// alive: the layout is the plan scaled whole again, a plan for the steps after (kept if
     /// it held the step as it was, else merged into the next plan, or shelved). With arrays
     /// alive, it stays as it is (their bytes are where this step put them) and is planned
-    /// again. Returns whether it became the plan scaled whole: views kept for its positions
-    /// must have gone loose before (they were made at the offsets this step placed them at).
-    pub(super) fn whole_again(&mut self) -> bool {
-        if self.whole.is_none() || self.spots.iter().any(|s| s.live && !s.apart) {
-            return false;
+    /// again. Views kept for its positions must have gone loose before (they were made at the offsets this step placed them at).
+    pub(super) fn whole_again(&mut self) {
+        if self.spots.iter().any(|s| s.live && !s.apart) {
+            return;
         }
         let Some(whole) = self.whole.take() else {
-            return false;
+            return;
         };
         for (k, offset, size) in whole.spots {
             let s = &mut self.spots[k];
@@ -844,8 +848,6 @@ impl Layout {
             s.size = size;
         }
         self.footprint = whole.footprint;
-        self.one_step = false;
-        true
     }
 
     /// Whether an array alive at tick `t` is planned to live past the first eighth of the rest
@@ -1321,7 +1323,7 @@ mod tests {
             assert!(l.scale(&grown, from as u32, 0));
             // Placed again, the rest is the plan of this step only; else the whole plan is
             // scaled, and holds the whole step in the ratio it grew.
-            let first = if l.one_step {
+            let first = if l.one_step() {
                 rest_only += 1;
                 from
             } else {
@@ -1364,7 +1366,7 @@ mod tests {
         // their bytes, a's place taken out below them.
         let grown = [matched(2048, OPEN, 0), matched(1024, OPEN, 1)];
         assert!(l.scale(&grown, 1, 0));
-        assert!(l.one_step);
+        assert!(l.one_step());
         let ((b, b_size), (c, c_size)) = (l.spot(1), l.spot(2));
         assert_eq!((b, c), (0, 0));
         assert!(b_size >= 1024 && c_size >= 1024);
@@ -1374,13 +1376,13 @@ mod tests {
         let mut l = Layout::new(&record, None);
         l.confirmed = true;
         assert!(l.scale(&grown[..1], 0, 0));
-        assert!(!l.one_step && l.footprint >= 3120);
+        assert!(!l.one_step() && l.footprint >= 3120);
         // With room for the plan scaled whole under the most the cache has held, nothing is
         // saved by placing the rest again.
         let mut l = Layout::new(&record, None);
         l.confirmed = true;
         assert!(l.scale(&grown, 1, 4096));
-        assert!(!l.one_step && l.footprint >= 3120);
+        assert!(!l.one_step() && l.footprint >= 3120);
     }
 
     #[test]

@@ -201,7 +201,8 @@
 //!   planned, not served apart one by one.
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
 //!   plan each, up to nine, sharing the block: a step's first allocation picks the plan made
-//!   for steps like it. A step that follows its plan and ends early (evaluation after training,
+//!   for steps like it. Steps whose counts of larger arrays differ (a CNN whose convolutions
+//!   cuDNN runs with other algorithms at another batch size) are of different kinds. A step that follows its plan and ends early (evaluation after training,
 //!   both beginning with the same forward pass) is served by that plan. A step much smaller
 //!   than its plan that leaves it (a smaller batch in another order) and is unlike the last few
 //!   is served from the plan's block and not planned; a kind that comes again soon is.

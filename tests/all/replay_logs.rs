@@ -2,9 +2,9 @@
 //! `examples/replay/record_torch.py`): each parses, has live bytes, and replays on the CPU under
 //! every configuration of `replay::CONFIGS` and bare, each peaking at or above the log's
 //! peak live bytes (the lower bound of any allocator), with the same figures every time; planned
-//! caches hold at most 1.10x the peak live bytes on the training and varying-shape logs (1.15x
-//! on MobileNetV3 trained with a varying batch and on DenseNet's varying batches, above the
-//! target: see BENCHMARKS.md) and
+//! caches hold at most 1.10x the peak live bytes on the training and varying-shape logs (1.12x
+//! on MobileNetV3 trained with a varying batch, replayed in other orders, and on DenseNet's
+//! varying batches, above the target: see BENCHMARKS.md) and
 //! 1.5x on decoding and serving, with no device allocation after the second step on the
 //! fixed-shape training logs, and after it fewer than one in twenty of the allocations on the
 //! others (a step larger than every one before it, served from its plan scaled; the keys and
@@ -26,7 +26,7 @@ const LOGS: &[(&str, f64)] = &[
     ("llama_ckpt_train", 1.10),
     ("resnet_epochs_train", 1.10),
     ("gpt2_vary_train", 1.10),
-    ("mobilenet_vary_train", 1.15),
+    ("mobilenet_vary_train", 1.12),
     ("bert_infer", 1.10),
     ("effnet_infer", 1.10),
     ("convnext_infer", 1.10),
@@ -35,7 +35,7 @@ const LOGS: &[(&str, f64)] = &[
     ("resnet18_infer", 1.10),
     ("vit_infer", 1.10),
     ("deeplab_infer", 1.10),
-    ("densenet_infer", 1.15),
+    ("densenet_infer", 1.12),
     ("gpt2_decode", 1.5),
     ("llama_serve", 1.5),
     ("opt_serve", 1.5),

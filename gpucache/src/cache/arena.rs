@@ -52,15 +52,19 @@
 //! the step does not make is skipped ([`Layout::next`]). Neither makes the plan be made again.
 //! An extra array's solo block stays as a spare when its array drops, for the next one.
 //!
-//! One scope may run steps of several kinds: a server's prompt steps and decoding steps. A step
-//! is of its plan's kind when it made as many allocations, or its first allocation is within a
-//! factor of two of the recorded step's first; a step of another kind is planned apart from it,
+//! One scope may run steps of several kinds: a server's prompt steps and decoding steps, a CNN's
+//! batches whose convolutions cuDNN runs with other algorithms. A step is of its plan's kind
+//! when it made as many arrays larger than small, but for a 64th, and as many allocations or a
+//! first allocation within a factor of two of the recorded step's first
+//! ([`Layout::same_kind`]); a step of another kind is planned apart from it,
 //! and the old plan goes on a *shelf* (eight at most, the least recently used going first, but
 //! never the one of the largest footprint: a step larger than every shelved kind's first
 //! allocation is served by it, where a smaller plan would leave it to the gaps). The
 //! plans share the device's one block. At a step's first allocation, the plan whose recorded
 //! first allocation fits it most tightly is switched in (only when no array uses the block: a
-//! plan knows only its own arrays' positions). A step of the same kind whose plan comes out much
+//! plan knows only its own arrays' positions); none fitting, the largest, one made from a cold
+//! start last. A plan scaled for a step of another kind is shelved as it was before
+//! ([`Layout::unscale`]). A step of the same kind whose plan comes out much
 //! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
 //! The block is kept while the plans fit it; a step that outgrows it gives it back. A step that
 //! follows its plan in order and ends early (an evaluation step that begins as the training
@@ -963,7 +967,9 @@ impl DeviceArena {
     /// The first allocation of a step, of `size` aligned bytes, picks the plan to follow: of
     /// the current plan and the shelved ones, the one whose recorded first allocation fits it
     /// most tightly, a plan made from a cold start only if no other fits (else the one whose
-    /// first allocation is largest), the current plan on a tie. A shelved plan is switched in
+    /// first allocation is largest, again one from a cold start last: the second step's plan
+    /// scales as the step grows, where the first step's holds what only a first step makes),
+    /// the current plan on a tie. A shelved plan is switched in
     /// only when no array uses the block, which the layouts share: a layout knows only its own
     /// arrays. Returns whether the block was retired (never: no array uses it).
     fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
@@ -971,13 +977,14 @@ impl DeviceArena {
             return false;
         };
         // Fitting first, then one not made from a cold start (a first step allocates what
-        // later steps do not), then the tightest; else the largest.
+        // later steps do not), then the tightest; else, again not from a cold start first,
+        // the largest.
         let rank = |l: &Layout| {
             let first = l.first_size();
             if size <= first {
                 (false, l.cold, first)
             } else {
-                (true, false, usize::MAX - first)
+                (true, l.cold, usize::MAX - first)
             }
         };
         let mut best = rank(&plan.layout);
@@ -1330,8 +1337,12 @@ impl DeviceArena {
                 old.loosen_views();
                 loose = Some(old.take_loose());
                 let block = old.take_block();
-                // A layout placed for the rest of its step is no plan for another.
+                // A layout placed for the rest of its step is no plan for another; one scaled for
+                // this step, of another kind, is kept as it was before.
                 if keep_old && !old.layout.one_step() {
+                    if self.scaled {
+                        old.layout.unscale();
+                    }
                     self.shelve(old.layout);
                 }
                 block

@@ -57,6 +57,13 @@ const STATE_RUN: u32 = 8;
 /// the step does not make are skipped; see [`Layout::next`].
 pub(super) const SMALL: usize = 2 * planner::ALIGN;
 
+/// Steps whose counts of arrays larger than [`SMALL`] differ by more than this fraction of the
+/// larger count are of different kinds ([`Layout::same_kind`]): the layers they run differ (a
+/// convolution's algorithm, chosen by cuDNN for the batch, with or without a workspace; a
+/// network whose depth depends on its input), and a plan merged from both, position by
+/// position, matches neither.
+const KIND_COUNT: usize = 64;
+
 /// A small array where a position expects at least this many times [`SMALL`] is extra
 /// (expected: the position's size scaled by the step's first allocation).
 const SMALL_MISMATCH: u128 = 4;
@@ -164,8 +171,10 @@ pub(super) struct Layout {
     step_first: usize,
     /// The block's size: the end of the highest position.
     pub(super) footprint: usize,
-    /// The aligned size of the recorded step's first allocation.
+    /// The aligned size of the recorded step's first allocation (scaled with the plan).
     first: usize,
+    /// The recorded step's allocations larger than [`SMALL`] ([`Layout::same_kind`]).
+    big: usize,
     /// Made from a step that had no plan before it (the cache's first, or the first after
     /// `invalidate` or `empty_cache`): it may hold what only a first step allocates.
     pub(super) cold: bool,
@@ -174,6 +183,8 @@ pub(super) struct Layout {
     /// When the rest of a step that outgrew the plan was placed again ([`Layout::scale`]): the
     /// plan scaled whole, which [`Layout::whole_again`] restores ([`Layout::one_step`]).
     whole: Option<Whole>,
+    /// The plan as it was before the latest [`Layout::scale`] ([`Layout::unscale`]).
+    unscaled: Option<Box<Unscaled>>,
     /// The steps it has served ([`Layout::end_step`]; wraps).
     epoch: u32,
 }
@@ -184,6 +195,15 @@ pub(super) struct Layout {
 struct Whole {
     spots: Vec<(usize, usize, usize)>,
     footprint: usize,
+}
+
+/// A layout's places before it was scaled ([`Layout::unscale`]): each position's offset and
+/// size, the footprint and the first allocation's size.
+#[derive(Debug)]
+struct Unscaled {
+    spots: Vec<(usize, usize)>,
+    footprint: usize,
+    first: usize,
 }
 
 /// A step's sizes, in order, as one number: equal for steps that allocated the same sizes in
@@ -210,6 +230,11 @@ pub(super) fn peak_live(record: &[Rec]) -> usize {
 }
 
 /// Whether two sizes are within a factor of two of each other.
+/// The allocations of `record` larger than [`SMALL`].
+fn big_count(record: &[Rec]) -> usize {
+    record.iter().filter(|r| r.bytes > SMALL).count()
+}
+
 fn near(a: usize, b: usize) -> bool {
     a / 2 <= b && b / 2 <= a
 }
@@ -313,9 +338,11 @@ impl Layout {
             step_first: 0,
             footprint: plan.footprint,
             first: record.first().map_or(0, |r| r.bytes),
+            big: big_count(record),
             cold: false,
             confirmed: false,
             whole: None,
+            unscaled: None,
             epoch: 0,
         }
     }
@@ -325,16 +352,23 @@ impl Layout {
         self.spots.len()
     }
 
-    /// The size of the recorded step's first allocation (0 for an empty plan): what tells the
-    /// kind of step a plan was made for (its first position may be planned larger).
+    /// The size of the recorded step's first allocation (0 for an empty plan), in the ratio the
+    /// plan was scaled: what tells the kind of step a plan was made for, and the largest of that
+    /// kind it holds (its first position may be planned larger).
     pub(super) fn first_size(&self) -> usize {
         self.first
     }
 
     /// Whether the step recorded as `record` is of the kind this plan was made for, to be planned
     /// as its next version (else the plan is kept for steps of its own kind): it made as many
-    /// allocations, or its first is within a factor of two of the recorded step's first.
+    /// arrays larger than [`SMALL`] as the recorded step, but for a [`KIND_COUNT`]th, and as
+    /// many allocations, or a first one within a factor of two of the recorded step's first.
     pub(super) fn same_kind(&self, record: &[Rec]) -> bool {
+        let big = big_count(record);
+        big.abs_diff(self.big) * KIND_COUNT <= big.max(self.big) && self.same_size_or_count(record)
+    }
+
+    fn same_size_or_count(&self, record: &[Rec]) -> bool {
         self.spots.len() == record.len()
             || record
                 .first()
@@ -697,6 +731,13 @@ impl Layout {
         let Some(footprint) = scaled(self.footprint) else {
             return false;
         };
+        self.unscaled = Some(Box::new(Unscaled {
+            spots: self.spots.iter().map(|s| (s.offset, s.size)).collect(),
+            footprint: self.footprint,
+            first: self.first,
+        }));
+        // The plan holds a first allocation as much larger (the kind of step it fits).
+        self.first = scaled(self.first).unwrap_or(footprint);
         let from = (from as usize).min(self.spots.len());
         // The rest's sizes, each in the ratio (the map below rounds both ends of a range).
         let rest: Vec<(usize, usize)> = (from..self.spots.len())
@@ -848,6 +889,22 @@ impl Layout {
             s.size = size;
         }
         self.footprint = whole.footprint;
+    }
+
+    /// The plan as it was before its latest [`Layout::scale`], when the step that scaled it
+    /// turned out to be of another kind ([`Layout::same_kind`]): kept for the steps of its own
+    /// kind, it would hold each at that step's scale. Not for a layout placed for one step
+    /// ([`Layout::one_step`]), which is never kept.
+    pub(super) fn unscale(&mut self) {
+        debug_assert!(!self.one_step(), "a layout for one step unscaled");
+        let Some(was) = self.unscaled.take() else {
+            return;
+        };
+        for (s, (offset, size)) in self.spots.iter_mut().zip(was.spots) {
+            (s.offset, s.size) = (offset, size);
+        }
+        self.footprint = was.footprint;
+        self.first = was.first;
     }
 
     /// Whether an array alive at tick `t` is planned to live past the first eighth of the rest
@@ -1386,6 +1443,26 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_scaled_tells_the_first_size_it_holds_and_unscales_to_what_it_was() {
+        let record = [rec(1024, 3), rec(512, 2), rec(512, 3)];
+        let mut l = Layout::new(&record, None);
+        l.confirmed = true;
+        let was: Vec<(usize, usize)> = (0..3).map(|k| l.spot(k)).collect();
+        let footprint = l.footprint;
+        assert!(l.scale(&[matched(2048, OPEN, 0)], 0, 0));
+        // Twice as large, a 64th more, aligned: a step whose first array is twice as large is
+        // of the size it holds.
+        assert!(l.first_size() >= 2048 && l.first_size() < 2 * 2048);
+        assert!(l.footprint >= 2 * footprint);
+        l.unscale();
+        assert_eq!((0..3).map(|k| l.spot(k)).collect::<Vec<_>>(), was);
+        assert_eq!((l.footprint, l.first_size()), (footprint, 1024));
+        // Once only: a second call leaves it as it is.
+        l.unscale();
+        assert_eq!(l.footprint, footprint);
+    }
+
+    #[test]
     fn a_plan_is_scaled_only_for_a_step_that_grew_in_order() {
         let mut l = Layout::new(&step(), None);
         // Made from a cold start and followed by no step: at most twofold.
@@ -1447,11 +1524,37 @@ mod tests {
     fn the_kind_of_a_step_is_its_count_or_its_first_size() {
         let l = Layout::new(&step(), None);
         assert_eq!(l.first_size(), 256);
-        let same_count = [rec(65536, 1), rec(1, 2), rec(1, 3), rec(1, 4)];
+        let same_count = [rec(256, 1), rec(1, 2), rec(1, 3), rec(1, 4)];
         assert!(l.same_kind(&same_count));
         assert!(l.same_kind(&[rec(400, 1)]), "first within a factor of two");
-        assert!(!l.same_kind(&[rec(65536, 1)]), "a prompt after decoding");
+        assert!(
+            !l.same_kind(&[rec(512, 1), rec(8192, 2)]),
+            "one more large array"
+        );
         assert!(!l.same_kind(&[]));
+    }
+
+    #[test]
+    fn steps_whose_counts_of_larger_arrays_differ_are_of_different_kinds() {
+        // `big` arrays of 4 KiB, then 2 small ones.
+        let steps = |big: u32| -> Vec<Rec> {
+            (0..big + 2)
+                .map(|k| rec(if k < big { 4096 } else { 512 }, k + 1))
+                .collect()
+        };
+        let l = Layout::new(&steps(128), None);
+        assert!(l.same_kind(&steps(128)));
+        // Within a 64th of 128: as many allocations, or a first within a factor of two.
+        assert!(l.same_kind(&steps(126)));
+        assert!(l.same_kind(&steps(130)));
+        // Three fewer or more: another kind, however alike the first allocations.
+        assert!(!l.same_kind(&steps(125)));
+        assert!(!l.same_kind(&steps(131)));
+        // Small arrays do not count.
+        let mut more_small = steps(128);
+        more_small.extend((0..40).map(|k| rec(256, 131 + k)));
+        assert!(l.same_kind(&more_small));
+        assert!(!Layout::new(&[rec(65536, 1)], None).same_kind(&[rec(256, 1)]));
     }
 
     #[test]

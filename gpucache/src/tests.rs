@@ -258,3 +258,50 @@ fn a_spare_four_times_larger_serves_an_array_below_the_high_water_mark() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// A step whose plan, merged with the plan before, no longer fits the block, while its own plan
+/// does, and which keeps an array of the block alive into the next step (a training loop's
+/// loss): its own plan is placed around that array and keeps the block. Merged, the block was
+/// retired under the array, and the next step allocated a block beside it (a step's worth of
+/// bytes more, and one more allocation).
+#[test]
+fn a_step_whose_merged_plan_outgrows_the_block_it_holds_keeps_the_block_with_its_own_plan() {
+    let name = "unit-own-plan";
+    let (backend, _installed, _serial) = planned(name);
+    let (a, b, c, d) = (32768, 4096, 8192, 8192);
+    // A chain, each array dropped two allocations later; the last one too, or returned.
+    let step = |lens: &[usize], keep: bool| -> Option<Array<u32>> {
+        let _scope = crate::enter(name);
+        let (head, last) = lens.split_at(lens.len() - 1);
+        chain(head.iter().copied());
+        let loss = Array::from_slice(Device::Cpu, &vec![9u32; last[0]], last[0]).unwrap();
+        keep.then_some(loss)
+    };
+    let p = [a, b, a, b, a, 512];
+    // Larger than `p` at its second array, smaller at its third: its own plan holds less than
+    // `p`'s, the two merged more.
+    let s = [a, c, a - d, b, a, 512];
+    for _ in 0..2 {
+        step(&p, false);
+    }
+    // Its last array, planned to drop within the step, kept into the next one.
+    let loss = step(&s, true).unwrap();
+    backend.reset_peak();
+    let (held, allocs) = (backend.outstanding_bytes(), backend.allocs());
+    step(&s, false);
+    assert!(loss.to_vec().unwrap().iter().all(|&e| e == 9));
+    drop(loss);
+    // One allocation: the last array, apart (the step before kept its position's alive).
+    assert_eq!(
+        backend.allocs(),
+        allocs + 1,
+        "the block served the next step"
+    );
+    assert!(
+        backend.peak_bytes() <= held + 4096,
+        "{} bytes held at most, {held} before",
+        backend.peak_bytes()
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

@@ -305,3 +305,46 @@ fn a_step_whose_merged_plan_outgrows_the_block_it_holds_keeps_the_block_with_its
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// A second step that leaves the first step's plan where the first made arrays the later ones
+/// do not (a 32 KiB array, then its optimizer's state, kept apart): an allocation far larger
+/// than its position's array there is another array, served from the plan's block (not apart
+/// as that position grown), and so are the arrays it makes where the plan has the state (not
+/// one device allocation each).
+#[test]
+fn a_second_step_unlike_the_first_is_served_from_the_first_plans_block() {
+    let name = "unit-state-run";
+    let (backend, _installed, _serial) = planned(name);
+    let fill = |n: usize, v: u32| Array::from_slice(Device::Cpu, &vec![v; n], n).unwrap();
+    // The first step: a large array, then one only the first step makes, then the state (ten
+    // arrays kept), then a temporary.
+    let state: Vec<Array<u32>> = {
+        let _scope = crate::enter(name);
+        drop(fill(16 << 20, 1));
+        drop(fill(8 << 10, 2));
+        let state = (0..10).map(|k| fill(1024, 10 + k)).collect();
+        drop(fill(256 << 10, 3));
+        state
+    };
+    let allocs = backend.allocs();
+    {
+        let _scope = crate::enter(name);
+        drop(fill(12 << 20, 1));
+        // Where the first step made its 32 KiB array: 4 MiB.
+        let large = fill(1 << 20, 4);
+        // Where it made its state: temporaries, alive together.
+        let temps: Vec<Array<u32>> = (0..10).map(|k| fill(1024, 20 + k)).collect();
+        for (k, t) in temps.iter().enumerate() {
+            assert!(t.to_vec().unwrap().iter().all(|&e| e == 20 + k as u32));
+        }
+        assert!(large.to_vec().unwrap().iter().all(|&e| e == 4));
+    }
+    // The plan's block, made at the step's first allocation, and nothing else.
+    assert_eq!(backend.allocs(), allocs + 1, "served from the block");
+    for (k, s) in state.iter().enumerate() {
+        assert!(s.to_vec().unwrap().iter().all(|&e| e == 10 + k as u32));
+    }
+    drop(state);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

@@ -81,7 +81,11 @@
 //! recorded step and not near the request's size is skipped only when a later position is near
 //! it (a training step's first step makes its optimizer state in the middle of the step, the
 //! next steps do not); one apart in two steps running (a cache of keys and values) is never
-//! skipped, whatever its size.
+//! skipped, whatever its size. In a step that left its plan, an allocation matched with a run
+//! of such positions (a first step's optimizer state, [`Layout::in_state_run`]) is another
+//! array, a temporary: the gaps serve it. And an allocation far larger than its placed
+//! position expects at the step's scale ([`Layout::another_array`]) is another array, not the
+//! position's grown: the step leaves its plan there.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
 //! class. When such a block's array drops in a later step than it was made in (or, for a small
@@ -1032,14 +1036,19 @@ impl DeviceArena {
     /// step stay within an eighth of the plan's footprint (a step that grows everywhere, a
     /// longer sequence, goes apart as a whole, and its plan's block back to the device). A few
     /// positions growing a little every step (a decoder's attention over the tokens so far)
-    /// then leave the plan's other positions on it.
+    /// then leave the plan's other positions on it. Not an allocation that is another array
+    /// than the position's ([`Layout::another_array`]): the step left the plan there.
     fn grows_in_place(&self, pos: u32, size: usize) -> bool {
         let Some(plan) = &self.plan else {
             return false;
         };
         let l = &plan.layout;
         let planned = l.range(pos).len();
-        planned > 0 && size > planned && !l.is_live(pos) && self.grown + size <= l.footprint / 8
+        planned > 0
+            && size > planned
+            && !l.is_live(pos)
+            && self.grown + size <= l.footprint / 8
+            && !l.another_array(planned, size)
     }
 
     /// Takes the plan's block out of the plan: freed if no array uses it, else retired (then
@@ -1494,6 +1503,20 @@ impl CacheState {
                 }
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
+                // In a step that left its plan, a position of a first step's optimizer state: the
+                // step does not make that array (the state lives on, apart), this allocation is
+                // another one, likely a temporary of the optimizer's step: from the gaps.
+                Serve::Apart
+                    if a.diverged
+                        && a.plan
+                            .as_ref()
+                            .is_some_and(|p| p.gaps.is_some() && p.layout.in_state_run(pos)) =>
+                {
+                    if let Some(got) = self.gap_view(st, i, req, rec, size) {
+                        return got;
+                    }
+                    capacity = size_class_within(size);
+                }
                 Serve::Apart => capacity = size_class_within(size),
                 // A small array the plan does not hold: apart, from a spare once warm.
                 Serve::Extra if !a.diverged => {}

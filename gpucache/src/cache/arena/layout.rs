@@ -476,6 +476,35 @@ impl Layout {
             .then(|| size as u128 * now / first)
     }
 
+    /// Whether an allocation of `size` bytes matched with a position of `planned` bytes is
+    /// another array than the position's: more than [`MISSING`] times the size expected there
+    /// at the step's scale ([`Layout::expected`]; a first step's cuBLAS workspace, or a small
+    /// array only a first step makes, where a later step makes an embedding's gradient).
+    pub(super) fn another_array(&self, planned: usize, size: usize) -> bool {
+        self.expected(planned)
+            .is_some_and(|e| e.saturating_mul(MISSING) < size as u128)
+    }
+
+    /// Whether position `k` is apart, not recurring, in a run of at least [`STATE_RUN`] such
+    /// positions: a first step's optimizer state, which later steps do not make
+    /// ([`Layout::skips_run`]).
+    pub(super) fn in_state_run(&self, k: u32) -> bool {
+        let k = k as usize;
+        let state = |s: &&Spot| s.apart && !s.recurs;
+        if !self.spots.get(k).is_some_and(|s| state(&s)) {
+            return false;
+        }
+        let most = STATE_RUN as usize;
+        let before = self.spots[..k]
+            .iter()
+            .rev()
+            .take(most)
+            .take_while(state)
+            .count();
+        let after = self.spots[k..].iter().take(most).take_while(state).count();
+        before + after >= most
+    }
+
     /// Whether a position apart near `size` comes within [`STATE_RUN`] positions after `c`: a
     /// small array there is likely that one (a loss kept past its step, made a little earlier
     /// than in the recorded step), not an extra one.
@@ -1532,6 +1561,29 @@ mod tests {
             "one more large array"
         );
         assert!(!l.same_kind(&[]));
+    }
+
+    #[test]
+    fn a_run_of_positions_apart_is_a_first_steps_state_and_a_far_larger_array_another() {
+        // A 64 KiB array, 8 KiB, then eight kept (apart) and one more, then two kept.
+        let mut record = vec![rec(65536, 1), rec(8192, 2)];
+        record.extend((0..8).map(|_| rec(4096, OPEN)));
+        record.push(rec(4096, 11));
+        record.extend((0..2).map(|_| rec(4096, OPEN)));
+        let mut l = Layout::new(&record, None);
+        assert!(!l.in_state_run(1), "placed");
+        assert!((2..10).all(|k| l.in_state_run(k)), "a run of eight");
+        assert!(
+            !l.in_state_run(10) && !l.in_state_run(11),
+            "placed, or a run of two"
+        );
+        assert!(!l.in_state_run(99));
+        // At the scale of a step whose first array is half the recorded one's, 8 KiB is
+        // expected as 4 KiB: 64 times that is the same array grown, more is another.
+        assert!(!l.another_array(8192, 1 << 20), "no step yet: no scale");
+        assert!(at(&mut l, 32768).is_some());
+        assert!(!l.another_array(8192, 64 * 4096));
+        assert!(l.another_array(8192, 64 * 4096 + 1));
     }
 
     #[test]

@@ -348,3 +348,39 @@ fn a_second_step_unlike_the_first_is_served_from_the_first_plans_block() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// A step larger than any before whose first array, its input (a 13th of the plan), outgrows
+/// its position: the step leaves its plan at once, and the plan scaled as it grew holds the
+/// input too, in one new block (one device allocation). Served apart, the input was held beside
+/// that block, a second allocation.
+#[test]
+fn a_larger_steps_input_is_served_from_the_plan_scaled() {
+    let name = "unit-grown-input";
+    let (backend, _installed, _serial) = planned(name);
+    // The input, alive through the step, then a chain of arrays four times its size.
+    let step = |scale: usize| {
+        let _scope = crate::enter(name);
+        let input = Array::from_slice(Device::Cpu, &vec![5u32; 256 * scale], 256 * scale).unwrap();
+        chain((0..6).map(|_| 1024 * scale));
+        assert!(input.to_vec().unwrap().iter().all(|&e| e == 5));
+    };
+    for _ in 0..3 {
+        step(1024);
+    }
+    let allocs = backend.allocs();
+    step(1536);
+    assert_eq!(
+        backend.allocs(),
+        allocs + 1,
+        "one block for the larger step"
+    );
+    let allocs = backend.allocs();
+    step(1536);
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "and its plan's block serves the next"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

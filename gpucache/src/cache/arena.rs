@@ -42,9 +42,10 @@
 //! goes apart on its own (a solo block) and the step stays on the plan, which is made again at
 //! its end. Not one of at least a [`GROWN_SHARE`]th of the footprint that, apart, would take
 //! the cache past the most it has held (a larger batch's input): the step leaves its plan at
-//! once, to be served from the plan scaled as it grew, the array included. A position that grew by at most a thirty-second since the last plan is planned with
-//! room for 32 more such steps (at most an eighth more): a decoder's attention over the tokens
-//! so far grows every step, and would otherwise outgrow every plan.
+//! once, to be served from the plan scaled as it grew, the array included. A position that
+//! grew by at most a thirty-second since the last plan is planned with room for 32 more such
+//! steps (at most an eighth more): a decoder's attention over the tokens so far grows every
+//! step, and would otherwise outgrow every plan.
 //!
 //! A step's small arrays ([`layout::SMALL`]: a scalar, a few indices) come and go where its
 //! larger ones do not (cuDNN's empty workspaces, with the batch): one more or one fewer would
@@ -1517,8 +1518,6 @@ impl CacheState {
                     }
                     return got;
                 }
-                // Arrays that outlive their step may grow from step to step (a cache of keys
-                // and values in decoding): their blocks leave room.
                 // In a step that left its plan, a position of a first step's optimizer state: the
                 // step does not make that array (the state lives on, apart), this allocation is
                 // another one, likely a temporary of the optimizer's step: from the gaps.
@@ -1533,6 +1532,8 @@ impl CacheState {
                     }
                     capacity = size_class_within(size);
                 }
+                // Arrays that outlive their step may grow from step to step (a cache of keys
+                // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),
                 // A small array the plan does not hold: apart, from a spare once warm.
                 Serve::Extra if !a.diverged => {}

@@ -229,12 +229,12 @@ pub(super) fn peak_live(record: &[Rec]) -> usize {
     planner::peak_live(&lives)
 }
 
-/// Whether two sizes are within a factor of two of each other.
 /// The allocations of `record` larger than [`SMALL`].
 fn big_count(record: &[Rec]) -> usize {
     record.iter().filter(|r| r.bytes > SMALL).count()
 }
 
+/// Whether two sizes are within a factor of two of each other.
 fn near(a: usize, b: usize) -> bool {
     a / 2 <= b && b / 2 <= a
 }

@@ -86,11 +86,16 @@ fn serve_step(name: &str, prompt: bool) -> u64 {
     } else {
         (256, 8192, 8)
     };
-    let head = Array::from_slice(Device::Cpu, &vec![7u32; first], first).unwrap();
+    let head = filled(first, 7);
     chain((0..n).map(|i| each + 64 * (i % 3)));
     assert!(head.to_vec().unwrap().iter().all(|&e| e == 7));
     drop((head, _scope));
     views() - before
+}
+
+/// An array of `n` elements, each `v`.
+fn filled(n: usize, v: u32) -> Array<u32> {
+    Array::from_slice(Device::Cpu, &vec![v; n], n).unwrap()
 }
 
 /// Arrays of `lens` elements in order, each filled with its index and dropped two allocations
@@ -99,7 +104,7 @@ fn chain(lens: impl IntoIterator<Item = usize>) {
     let mut chain: Vec<(Array<u32>, u32)> = Vec::new();
     for (i, len) in lens.into_iter().enumerate() {
         let i = i as u32;
-        let a = Array::from_slice(Device::Cpu, &vec![i; len], len).unwrap();
+        let a = filled(len, i);
         if chain.len() == 2 {
             let (old, v) = chain.remove(0);
             assert!(old.to_vec().unwrap().iter().all(|&e| e == v));
@@ -233,8 +238,8 @@ fn a_spare_four_times_larger_serves_an_array_below_the_high_water_mark() {
     let big = 1 << 14;
     let (a0, b0) = {
         let _scope = crate::enter(name);
-        let a = Array::from_slice(Device::Cpu, &vec![1u32; big], big).unwrap();
-        let b = Array::from_slice(Device::Cpu, &vec![2u32; big], big).unwrap();
+        let a = filled(big, 1);
+        let b = filled(big, 2);
         (a, b)
     };
     // The cache's high-water mark holds both. A spare at once (`a0`), held at the mark: a
@@ -242,14 +247,14 @@ fn a_spare_four_times_larger_serves_an_array_below_the_high_water_mark() {
     let a1 = {
         let _scope = crate::enter(name);
         drop(a0);
-        Array::from_slice(Device::Cpu, &vec![3u32; big / 4], big / 4).unwrap()
+        filled(big / 4, 3)
     };
     // Below the mark now: `b0`'s block, four times as large, serves the next one.
     let allocs = backend.allocs();
     let a2 = {
         let _scope = crate::enter(name);
         drop(b0);
-        Array::from_slice(Device::Cpu, &vec![4u32; big / 4], big / 4).unwrap()
+        filled(big / 4, 4)
     };
     assert_eq!(backend.allocs(), allocs, "the spare served it");
     assert!(a1.to_vec().unwrap().iter().all(|&e| e == 3));
@@ -274,7 +279,7 @@ fn a_step_whose_merged_plan_outgrows_the_block_it_holds_keeps_the_block_with_its
         let _scope = crate::enter(name);
         let (head, last) = lens.split_at(lens.len() - 1);
         chain(head.iter().copied());
-        let loss = Array::from_slice(Device::Cpu, &vec![9u32; last[0]], last[0]).unwrap();
+        let loss = filled(last[0], 9);
         keep.then_some(loss)
     };
     let p = [a, b, a, b, a, 512];
@@ -315,25 +320,24 @@ fn a_step_whose_merged_plan_outgrows_the_block_it_holds_keeps_the_block_with_its
 fn a_second_step_unlike_the_first_is_served_from_the_first_plans_block() {
     let name = "unit-state-run";
     let (backend, _installed, _serial) = planned(name);
-    let fill = |n: usize, v: u32| Array::from_slice(Device::Cpu, &vec![v; n], n).unwrap();
     // The first step: a large array, then one only the first step makes, then the state (ten
     // arrays kept), then a temporary.
     let state: Vec<Array<u32>> = {
         let _scope = crate::enter(name);
-        drop(fill(16 << 20, 1));
-        drop(fill(8 << 10, 2));
-        let state = (0..10).map(|k| fill(1024, 10 + k)).collect();
-        drop(fill(256 << 10, 3));
+        drop(filled(16 << 20, 1));
+        drop(filled(8 << 10, 2));
+        let state = (0..10).map(|k| filled(1024, 10 + k)).collect();
+        drop(filled(256 << 10, 3));
         state
     };
     let allocs = backend.allocs();
     {
         let _scope = crate::enter(name);
-        drop(fill(12 << 20, 1));
+        drop(filled(12 << 20, 1));
         // Where the first step made its 32 KiB array: 4 MiB.
-        let large = fill(1 << 20, 4);
+        let large = filled(1 << 20, 4);
         // Where it made its state: temporaries, alive together.
-        let temps: Vec<Array<u32>> = (0..10).map(|k| fill(1024, 20 + k)).collect();
+        let temps: Vec<Array<u32>> = (0..10).map(|k| filled(1024, 20 + k)).collect();
         for (k, t) in temps.iter().enumerate() {
             assert!(t.to_vec().unwrap().iter().all(|&e| e == 20 + k as u32));
         }
@@ -360,7 +364,7 @@ fn a_larger_steps_input_is_served_from_the_plan_scaled() {
     // The input, alive through the step, then a chain of arrays four times its size.
     let step = |scale: usize| {
         let _scope = crate::enter(name);
-        let input = Array::from_slice(Device::Cpu, &vec![5u32; 256 * scale], 256 * scale).unwrap();
+        let input = filled(256 * scale, 5);
         chain((0..6).map(|_| 1024 * scale));
         assert!(input.to_vec().unwrap().iter().all(|&e| e == 5));
     };

@@ -1322,7 +1322,7 @@ impl DeviceArena {
             let pins = old.as_ref().and_then(|p| self.pins_for(p));
             let pinned: Vec<std::ops::Range<usize>> =
                 pins.iter().flatten().map(|p| p.range.clone()).collect();
-            let plan_step = |taken: &[std::ops::Range<usize>]| {
+            let plan_step = |merged: Option<&Layout>, taken: &[std::ops::Range<usize>]| {
                 let layout = Layout::new_around(&self.record, merged, taken);
                 match merged {
                     // Merged with the old plan position by position, a plan may hold more
@@ -1339,29 +1339,28 @@ impl DeviceArena {
                     None => layout,
                 }
             };
-            let mut layout = plan_step(&pinned);
             let block_bytes = old.as_ref().map_or(0, Plan::block_bytes);
             // Placed around the pinned arrays, the plan no longer fits the block: it is placed
             // as if they were not there, and its positions over them wait until they drop (if
-            // that does not fit the block either, the block is not kept).
-            let mut blocked = !pinned.is_empty() && block_bytes < layout.footprint;
-            if blocked {
-                layout = plan_step(&[]);
-            }
+            // that does not fit the block either, the block is not kept). With whether it is so.
+            let place = |merged: Option<&Layout>| {
+                let layout = plan_step(merged, &pinned);
+                if !pinned.is_empty() && block_bytes < layout.footprint {
+                    (plan_step(merged, &[]), true)
+                } else {
+                    (layout, false)
+                }
+            };
+            let (mut layout, mut blocked) = place(merged);
             // Merged with the old plan, the plan may not fit the block where the step's own
             // would: the block, which arrays of the step keep alive (a loss, kept until the
             // next step's), would be retired under them, and the next step would allocate a
             // block beside it (EfficientNet trained on a varying batch, replayed in other
             // orders: 1.53x of peak live at worst, 1.19x with the step's own plan).
             if !pinned.is_empty() && block_bytes < layout.footprint && merged.is_some() {
-                let own = Layout::new_around(&self.record, None, &pinned);
+                let (own, own_blocked) = place(None);
                 if own.footprint <= block_bytes {
-                    (layout, blocked) = (own, false);
-                } else {
-                    let own = Layout::new_around(&self.record, None, &[]);
-                    if own.footprint <= block_bytes {
-                        (layout, blocked) = (own, true);
-                    }
+                    (layout, blocked) = (own, own_blocked);
                 }
             }
             #[cfg(test)]

@@ -114,6 +114,12 @@ struct Spot {
 }
 
 impl Spot {
+    /// Apart and not recurring: what a first step's optimizer state looks like, which later
+    /// steps do not make ([`Layout::skips_run`], [`Layout::in_state_run`]).
+    fn is_state(&self) -> bool {
+        self.apart && !self.recurs
+    }
+
     /// The planned lifetime of position `k`, this spot: from its allocation to its end (at
     /// least the next allocation).
     fn lifetime(&self, k: u32) -> Lifetime {
@@ -437,11 +443,7 @@ impl Layout {
                 self.cursor = c + 1;
                 return (Serve::Apart, c);
             }
-            if s.size <= SKIPPED
-                && self
-                    .expected(s.size)
-                    .is_some_and(|e| e * MISSING < size as u128)
-            {
+            if s.size <= SKIPPED && self.another_array(s.size, size) {
                 // A position this step does not make (much smaller than this allocation at
                 // the step's scale): a later one is this allocation's.
                 c += 1;
@@ -490,8 +492,8 @@ impl Layout {
     /// ([`Layout::skips_run`]).
     pub(super) fn in_state_run(&self, k: u32) -> bool {
         let k = k as usize;
-        let state = |s: &&Spot| s.apart && !s.recurs;
-        if !self.spots.get(k).is_some_and(|s| state(&s)) {
+        let state = |s: &&Spot| s.is_state();
+        if !self.spots.get(k).is_some_and(Spot::is_state) {
             return false;
         }
         let most = STATE_RUN as usize;
@@ -543,7 +545,7 @@ impl Layout {
     fn skips_run(&self, c: u32, size: usize) -> Option<u32> {
         let hi = (c.saturating_add(MAX_SKIP) as usize).min(self.spots.len());
         let after = self.spots.get(c as usize..hi)?;
-        let run = after.iter().position(|s| !s.apart || s.recurs)?;
+        let run = after.iter().position(|s| !s.is_state())?;
         let s = &after[run];
         (run as u32 >= STATE_RUN && !s.apart && size <= s.size && near(size, s.size))
             .then_some(c + run as u32)
@@ -904,7 +906,8 @@ impl Layout {
     /// alive: the layout is the plan scaled whole again, a plan for the steps after (kept if
     /// it held the step as it was, else merged into the next plan, or shelved). With arrays
     /// alive, it stays as it is (their bytes are where this step put them) and is planned
-    /// again. Views kept for its positions must have gone loose before (they were made at the offsets this step placed them at).
+    /// again. Views kept for its positions must have gone loose before (they were made at the
+    /// offsets this step placed them at).
     pub(super) fn whole_again(&mut self) {
         if self.spots.iter().any(|s| s.live && !s.apart) {
             return;

@@ -1202,6 +1202,46 @@ fn a_block_given_up_never_raises_the_peak() {
     assert_eq!(backend.outstanding_bytes(), 0);
 }
 
+#[test]
+fn with_the_devices_granularity_growable_blocks_are_mapped_as_cuda_maps_them() {
+    let _serial = serial();
+    let name = "planned-granularity";
+    let (backend, _installed) = planned(name, None);
+    backend.set_growable(true);
+    let granule = 2 << 20;
+    backend.set_granularity(granule);
+    // A plan of 1 KiB: smaller than CUDA maps, so as asked.
+    one_at_a_time(name, 1024);
+    one_at_a_time(name, 1024);
+    assert_eq!(
+        backend.outstanding_bytes(),
+        1024,
+        "the small plan's block, as asked"
+    );
+    gpucache::invalidate(name);
+    // A plan of 33 MiB and a byte: its block is mapped in granules.
+    let big = (33 << 20) + 1;
+    one_at_a_time(name, big);
+    one_at_a_time(name, big);
+    assert_eq!(
+        backend.outstanding_bytes(),
+        34 << 20,
+        "the plan's block, in whole granules"
+    );
+    // A step that outgrows it: a block of whole granules again, grown or new.
+    one_at_a_time(name, 40 << 20);
+    one_at_a_time(name, 40 << 20);
+    assert_eq!(backend.outstanding_bytes(), 40 << 20);
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0);
+    // Without it, as asked (aligned to 256 bytes).
+    backend.set_granularity(0);
+    one_at_a_time(name, big);
+    one_at_a_time(name, big);
+    assert_eq!(backend.outstanding_bytes(), (33 << 20) + 256);
+    gpucache::invalidate(name);
+}
+
 /// A training step whose arrays come in another order every step (as a CNN's workspaces do
 /// when the batch changes): `n` arrays of 64 KiB, one alive at a time but for an `extra` one
 /// after the third, then the loss (a few bytes holding `value`), which outlives the step: a

@@ -177,12 +177,16 @@ fn varying_logs_replayed_longer_in_other_orders_stay_within_their_bound() {
     }
 }
 
+/// The H100's granularity of mapped memory: growable blocks on the GPU are whole multiples.
+const H100_GRANULARITY: usize = 2 << 20;
+
 /// The planned replay of `ops` on this thread through a fresh counting backend (growable as
-/// asked): the most bytes it held over the log's peak live bytes, the device allocations after
-/// the second step, and the growths.
-fn planned_on(ops: &[Op], growable: bool) -> (f64, u64, u64) {
+/// asked, mapped in granules of `granularity` bytes if not 0): the most bytes it held over the
+/// log's peak live bytes, the device allocations after the second step, and the growths.
+fn planned_on(ops: &[Op], growable: bool, granularity: usize) -> (f64, u64, u64) {
     let backend = gpucache::testing::CountingBackend::new();
     backend.set_growable(growable);
+    backend.set_granularity(granularity);
     let installed = gpucache::testing::use_backend(&backend);
     gpucache::empty_cache();
     let r = replay::replay(ops, Device::Cpu, Mode::Gpucache).unwrap();
@@ -196,7 +200,8 @@ fn planned_on(ops: &[Op], growable: bool) -> (f64, u64, u64) {
 /// Blocks grown in place hold each fixture within its bound, within a hundredth of its peak with
 /// new blocks instead (a grown block is kept where a new one would be made at a step's
 /// footprint, and the steps after may fit it otherwise: DenseNet 1.021x grown, 1.016x not),
-/// with no more allocations.
+/// with no more allocations; mapped in the H100's granules too, as the CUDA backend maps them
+/// there, within the bound (BERT 1.097x so, as on the H100, 1.086x as asked).
 #[test]
 fn plan_blocks_grown_in_place_keep_the_fixtures_peaks_and_allocate_no_more() {
     let _serial = serial();
@@ -204,8 +209,13 @@ fn plan_blocks_grown_in_place_keep_the_fixtures_peaks_and_allocate_no_more() {
     for &(log, bound) in LOGS {
         let path = format!("{}/tests/fixtures/{log}.csv.gz", env!("CARGO_MANIFEST_DIR"));
         let ops = replay::read(path.as_ref()).unwrap();
-        let (peak, allocs, _) = planned_on(&ops, false);
-        let (grown_peak, grown_allocs, grown) = planned_on(&ops, true);
+        let (peak, allocs, _) = planned_on(&ops, false, 0);
+        let (grown_peak, grown_allocs, grown) = planned_on(&ops, true, 0);
+        let (mapped_peak, ..) = planned_on(&ops, true, H100_GRANULARITY);
+        assert!(
+            mapped_peak <= bound,
+            "{log}: {mapped_peak:.3}x in the H100's granules"
+        );
         assert!(
             grown_peak <= peak + 0.01 && grown_peak <= bound,
             "{log}: {grown_peak:.3}x grown, {peak:.3}x not"

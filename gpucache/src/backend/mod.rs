@@ -32,6 +32,12 @@ pub(crate) const HOST_ALIGN: usize = 64;
 // The largest array must stay describable at this alignment.
 const _: () = assert!(crate::shape::MAX_BYTES.is_multiple_of(HOST_ALIGN));
 
+/// Blocks smaller than this come from the stream-ordered pool even when asked to be growable
+/// (CUDA's virtual memory management maps the larger ones): below it a fresh pool allocation
+/// costs no more than a mapping (about 50-100 µs either way). The testing backend, told a
+/// granularity, does the same.
+pub(crate) const GROWABLE_MIN: usize = 32 << 20;
+
 /// A source of device memory.
 pub(crate) trait Backend: Send + Sync + fmt::Debug {
     /// Allocates `bytes > 0` bytes on `device`. Host memory is always returned zeroed (it must be

@@ -19,9 +19,7 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{CudaContext, DriverError};
 
-/// Blocks smaller than this come from the stream-ordered pool even when asked to be growable:
-/// below it a fresh pool allocation costs no more than a mapping (about 50-100 µs either way).
-pub(crate) const GROWABLE_MIN: usize = 32 << 20;
+pub(crate) use crate::backend::GROWABLE_MIN;
 
 /// How device memory is mapped on one device: its ordinal, the granularity of its mappings,
 /// and the addresses each block reserves.

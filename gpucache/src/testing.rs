@@ -281,19 +281,14 @@ impl Backend for CountingBackend {
         Ok(Storage::Host(buf))
     }
 
-    fn grow(
-        &self,
-        _device: Device,
-        storage: &mut Storage,
-        bytes: usize,
-    ) -> Result<bool, AllocError> {
+    fn grow(&self, _device: Device, storage: &Storage, bytes: usize) -> Result<bool, AllocError> {
         let Some(bytes) = self.mapped(bytes).filter(|&b| b <= GROWABLE_RESERVE) else {
             return Ok(false);
         };
         if !self.is_growable(storage) {
             return Ok(false);
         }
-        let Some(buf) = storage.host_mut() else {
+        let Some(buf) = storage.host() else {
             return Ok(false);
         };
         let Some(more) = bytes.checked_sub(buf.bytes()).filter(|&m| m > 0) else {
@@ -301,7 +296,7 @@ impl Backend for CountingBackend {
         };
         let outstanding = self.attempt(more)?;
         // SAFETY: a growable buffer (checked above), of a reserve of `GROWABLE_RESERVE >= bytes`.
-        unsafe { buf.set_view_len(bytes) };
+        unsafe { buf.grow_to(bytes) };
         self.counted(outstanding, false);
         self.grows.fetch_add(1, SeqCst);
         Ok(true)

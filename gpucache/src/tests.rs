@@ -388,3 +388,50 @@ fn a_larger_steps_input_is_served_from_the_plan_scaled() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// A larger step that leaves its plan with its input alive in the plan's block (so its rest comes
+/// from the block's gaps), and whose last array, from the gaps, is kept into the next step (a
+/// training loop's loss, which the steps before dropped in the step): its plan, placed around
+/// that array, outgrows the block, which grows in place under it, rather than being retired
+/// under it while the next step makes a block of the new plan beside it.
+#[test]
+fn a_block_outgrown_under_an_array_kept_past_its_step_grows_in_place() {
+    let name = "unit-grown-under-loss";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    // The input, alive through the step, then a chain, then the loss (kept if `keep`).
+    let step = |n: usize, keep: bool| -> Option<Array<u32>> {
+        let _scope = crate::enter(name);
+        let input = filled(2048, 7);
+        chain([n, 1024, n, 1024, n]);
+        let loss = filled(64, 9);
+        assert!(input.to_vec().unwrap().iter().all(|&e| e == 7));
+        keep.then_some(loss)
+    };
+    for _ in 0..2 {
+        step(8192, false);
+    }
+    let held = backend.outstanding_bytes();
+    // Four times larger past the input: its rest from the gaps, and what they cannot hold apart.
+    let loss = step(32768, true).unwrap();
+    assert_eq!(backend.grows(), 1, "the block grew under the loss");
+    let grown = backend.outstanding_bytes();
+    backend.reset_peak();
+    let allocs = backend.allocs();
+    step(32768, false);
+    assert!(loss.to_vec().unwrap().iter().all(|&e| e == 9));
+    drop(loss);
+    // One allocation: the loss, apart (its position's array, the last loss, was alive).
+    assert_eq!(
+        backend.allocs(),
+        allocs + 1,
+        "the grown block served the next step"
+    );
+    assert!(
+        backend.peak_bytes() <= grown + 1024 && grown < held + 4 * 32768 * 4,
+        "one block: {} bytes held at most, {grown} after the growth, {held} before",
+        backend.peak_bytes()
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

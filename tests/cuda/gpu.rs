@@ -1102,6 +1102,76 @@ fn a_longer_sequence_grows_its_plans_block_in_place(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// A larger step that leaves its plan with its input alive in the plan's block (its rest from
+/// the block's free bytes) and keeps its loss, from there, past its end (the steps before
+/// dropped theirs in the step): the next plan, placed around the loss, outgrows the block,
+/// which is mapped further in place under it, and the next step runs in the grown block (one
+/// device allocation: its loss, apart while the last one is alive). Kernels fill every array and
+/// each is checked; the loss keeps its values across the growth, and is dropped on another
+/// thread.
+fn a_block_grows_in_place_under_a_loss_kept_past_its_step(dev: Device) -> TestResult {
+    let name = "cuda-grown-under-loss";
+    arena(name);
+    let k = 512;
+    // The input (4 MiB, alive through the step), a chain of `n`, 2 MiB, `n`, 2 MiB, `n` floats
+    // (each checked two allocations later), then the loss (kept if `keep`).
+    let step = |n: usize, v: f32, keep: bool| -> Result<Option<Array<f32>>, Box<dyn StdError>> {
+        let stream = current(dev);
+        let _scope = enter(name);
+        let mut input = Array::<f32>::empty(dev, 2048 * k)?;
+        fill(&stream, &mut input, 7.0)?;
+        let mut chain: Vec<(Array<f32>, f32)> = Vec::new();
+        for (i, len) in [n, 1024 * k, n, 1024 * k, n].into_iter().enumerate() {
+            let mut a = Array::<f32>::empty(dev, len)?;
+            fill(&stream, &mut a, i as f32)?;
+            if chain.len() == 2 {
+                let (old, w) = chain.remove(0);
+                assert!(old.to_vec()?.iter().all(|&x| x == w), "array {w}");
+            }
+            chain.push((a, i as f32));
+        }
+        let mut loss = Array::<f32>::empty(dev, 64)?;
+        fill(&stream, &mut loss, v)?;
+        assert!(input.to_vec()?.iter().all(|&x| x == 7.0), "the input");
+        Ok(keep.then_some(loss))
+    };
+    // A plan's block of about 38 MiB: mapped, growable.
+    for _ in 0..2 {
+        step(8192 * k, 0.0, false)?;
+    }
+    let before = gpucache::device_stats(dev)?;
+    let loss = step(32768 * k, 1.0, true)?.expect("kept");
+    let grown = gpucache::device_stats(dev)?;
+    step(32768 * k, 2.0, false)?;
+    let after = gpucache::device_stats(dev)?;
+    assert!(
+        loss.to_vec()?.iter().all(|&x| x == 1.0),
+        "the loss kept its values"
+    );
+    std::thread::spawn(move || drop(loss))
+        .join()
+        .expect("dropped on another thread");
+    if caching() {
+        assert!(
+            grown.bytes_allocated > before.bytes_allocated,
+            "the block grew"
+        );
+        assert_eq!(
+            after.allocs,
+            grown.allocs + 1,
+            "the grown block served the step"
+        );
+        assert!(
+            after.bytes_allocated <= grown.bytes_allocated + 4096,
+            "no block beside the grown one: {} bytes, {} before",
+            after.bytes_allocated,
+            grown.bytes_allocated
+        );
+    }
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// A decoder's cache of keys and values, one token longer every step, made in one step and
 /// dropped in the next (so planned apart): after the first steps each comes from the block the
 /// one before last had, a spare, through the view that array had (the view spans the block, so
@@ -1177,6 +1247,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     a_longer_sequence_computes_in_its_plan_scaled,
     scalars_extra_and_missing_leave_the_layers_on_their_plan,
     a_longer_sequence_grows_its_plans_block_in_place,
+    a_block_grows_in_place_under_a_loss_kept_past_its_step,
     a_spare_serves_longer_arrays_through_the_view_it_kept,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,

@@ -17,7 +17,9 @@ use crate::{Device, DeviceStats, Result};
 #[derive(Debug)]
 pub(crate) struct HostBuf {
     ptr: NonNull<u8>,
-    bytes: usize,
+    /// Atomic so that a growable buffer grows through a shared reference (see
+    /// [`HostBuf::grow_to`]); read relaxed, a plain load.
+    bytes: AtomicUsize,
 }
 
 // SAFETY: a HostBuf uniquely owns its allocation, like a Box<[u8]>; it has no thread affinity and
@@ -36,7 +38,15 @@ impl HostBuf {
     /// The size in bytes.
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
-        self.bytes
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// A buffer of `bytes` bytes at `ptr`.
+    fn new(ptr: NonNull<u8>, bytes: usize) -> HostBuf {
+        HostBuf {
+            ptr,
+            bytes: AtomicUsize::new(bytes),
+        }
     }
 
     /// A `HostBuf` for the `bytes` bytes at `offset`, which does not own them.
@@ -48,22 +58,30 @@ impl HostBuf {
     pub(crate) unsafe fn view(&self, offset: usize, bytes: usize) -> HostBuf {
         // SAFETY: `offset <= self.bytes`, so the pointer stays inside the allocation (caller).
         let ptr = unsafe { self.ptr.add(offset) };
-        HostBuf { ptr, bytes }
+        HostBuf::new(ptr, bytes)
     }
 
     /// Makes a view (see [`HostBuf::view`]) `bytes` long.
     ///
     /// # Safety
-    /// `self` was made by [`HostBuf::view`] over at least `bytes > 0` bytes, or by
-    /// [`map_growable`] with a reserve of at least `bytes`.
+    /// `self` was made by [`HostBuf::view`] over at least `bytes > 0` bytes.
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
-        self.bytes = bytes;
+        *self.bytes.get_mut() = bytes;
+    }
+
+    /// Grows a buffer made by [`map_growable`] to `bytes`, through a shared reference: views of
+    /// it may be alive on other threads, and its address and first bytes stay.
+    ///
+    /// # Safety
+    /// `self` was made by [`map_growable`] with a reserve of at least `bytes >= self.bytes()`.
+    pub(crate) unsafe fn grow_to(&self, bytes: usize) {
+        self.bytes.store(bytes, Ordering::Relaxed);
     }
 
     /// Sets the first `bytes <= self.bytes()` bytes to zero. Never fails (the `Result` matches
     /// the device backends').
     pub(crate) fn zero(&mut self, bytes: usize) -> Result<()> {
-        assert!(bytes <= self.bytes);
+        assert!(bytes <= self.bytes());
         // SAFETY: the buffer owns `self.bytes >= bytes` writable bytes, and `&mut self` keeps
         // anything else from reading or writing them meanwhile.
         unsafe { self.ptr.as_ptr().write_bytes(0, bytes) };
@@ -72,7 +90,7 @@ impl HostBuf {
 
     /// Copies `src` (at most `self.bytes()` long) to the start of the buffer. Never fails.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<()> {
-        assert!(src.len() <= self.bytes);
+        assert!(src.len() <= self.bytes());
         // SAFETY: the destination owns `self.bytes >= src.len()` bytes, is exclusively borrowed
         // through `&mut self`, and cannot overlap `src`, a shared borrow of other memory.
         unsafe { ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr(), src.len()) };
@@ -81,7 +99,7 @@ impl HostBuf {
 
     /// Copies the start of the buffer to `dst` (at most `self.bytes()` long). Never fails.
     pub(crate) fn read(&self, dst: &mut [u8]) -> Result<()> {
-        assert!(dst.len() <= self.bytes);
+        assert!(dst.len() <= self.bytes());
         // SAFETY: the source holds `self.bytes >= dst.len()` initialised bytes (host buffers are
         // zeroed when allocated, then written only with whole bytes) and cannot overlap `dst`, an
         // exclusive borrow of other memory.
@@ -151,7 +169,7 @@ fn map(_bytes: usize) -> Option<NonNull<u8>> {
 /// testing backend's growable blocks; `None` when the mapping fails, or without `mmap`.
 pub(crate) fn map_growable(reserve: usize, bytes: usize) -> Option<HostBuf> {
     debug_assert!(0 < bytes && bytes <= reserve);
-    map(reserve).map(|ptr| HostBuf { ptr, bytes })
+    map(reserve).map(|ptr| HostBuf::new(ptr, bytes))
 }
 
 /// Unmaps a buffer made by [`map_growable`] with this `reserve`.
@@ -184,7 +202,7 @@ impl Backend for CpuBackend {
         let ptr = ptr.ok_or(AllocError::OutOfMemory)?;
         self.allocs.fetch_add(1, Ordering::Relaxed);
         self.outstanding.fetch_add(bytes, Ordering::Relaxed);
-        Ok(Storage::Host(HostBuf { ptr, bytes }))
+        Ok(Storage::Host(HostBuf::new(ptr, bytes)))
     }
 
     fn free(&self, _device: Device, storage: Storage) {
@@ -195,23 +213,23 @@ impl Backend for CpuBackend {
             #[cfg(feature = "cuda")]
             other => return drop(other),
         };
-        if mapped(buf.bytes) {
+        if mapped(buf.bytes()) {
             // SAFETY: buffers of this size were mapped by `map` with exactly this length, are
             // owned by `buf` and are unmapped once, here.
             #[cfg(unix)]
             unsafe {
-                unmap(buf.ptr, buf.bytes)
+                unmap(buf.ptr, buf.bytes())
             };
         } else {
             // SAFETY: `Layout::from_size_align` accepted this size and alignment when `buf` was
             // allocated, so they satisfy its conditions.
-            let layout = unsafe { Layout::from_size_align_unchecked(buf.bytes, HOST_ALIGN) };
+            let layout = unsafe { Layout::from_size_align_unchecked(buf.bytes(), HOST_ALIGN) };
             // SAFETY: `buf` was allocated by `alloc` above with this same layout and is owned,
             // so it is freed exactly once.
             unsafe { alloc::dealloc(buf.ptr.as_ptr(), layout) };
         }
         self.frees.fetch_add(1, Ordering::Relaxed);
-        self.outstanding.fetch_sub(buf.bytes, Ordering::Relaxed);
+        self.outstanding.fetch_sub(buf.bytes(), Ordering::Relaxed);
     }
 
     fn stats(&self, _device: Device) -> DeviceStats {

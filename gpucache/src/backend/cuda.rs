@@ -27,7 +27,10 @@
 //! bytes is mapped through the driver's virtual memory management instead ([`vmm`]), where the
 //! device supports it: when a larger step outgrows the plan, the block grows in place
 //! ([`Backend::grow`]), mapping only the new bytes, rather than being freed and allocated again
-//! at its new size. Its cudarc slice is made over the mapped range and never freed by cudarc.
+//! at its new size, also under arrays still alive in it (views of it on any thread: growing takes
+//! the mapping's lock and changes neither the address nor the bytes mapped before). Its cudarc
+//! slice is made over the range first mapped and never freed by cudarc; views are made from the
+//! block's address, so the slice need not cover what was mapped later.
 //! Unmapping does not wait for the device, so such a block's free waits for the streams that
 //! used it first (a host synchronisation, where other blocks are freed stream-ordered): it
 //! happens when a plan's block is released (`invalidate`, `empty_cache`, out-of-memory
@@ -297,22 +300,22 @@ impl Backend for CudaBackend {
         state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(mapped, Relaxed);
         let mut buf = CudaBuf::new(slice, base, false, stream);
-        buf.mapping = Some(mapping);
+        buf.mapping = Some(Mutex::new(mapping));
         Ok(Storage::Cuda(Box::new(buf)))
     }
 
-    fn grow(
-        &self,
-        device: Device,
-        storage: &mut Storage,
-        bytes: usize,
-    ) -> Result<bool, AllocError> {
+    /// Maps more memory after the block's end (its address, its bytes and cudarc's slice of
+    /// them stay: views are made from the address, not from the slice, so the slice need not
+    /// cover the new bytes), under the mapping's lock: views of the block may be alive on other
+    /// threads, which read only the block's stream and its marks.
+    fn grow(&self, device: Device, storage: &Storage, bytes: usize) -> Result<bool, AllocError> {
         let Storage::Cuda(buf) = storage else {
             return Ok(false);
         };
-        let Some(mapping) = &mut buf.mapping else {
+        let Some(mapping) = &buf.mapping else {
             return Ok(false);
         };
+        let mut mapping = mapping.lock();
         let before = mapping.mapped();
         let state = ordinal(device)
             .and_then(device_state)
@@ -330,13 +333,7 @@ impl Backend for CudaBackend {
         if mapped == before {
             return Ok(true);
         }
-        // SAFETY: as in `alloc_growable`: the whole mapped range, whose first `before` bytes
-        // are the old slice's, unmoved and unchanged.
-        let slice = unsafe { buf.stream.upgrade_device_ptr::<u8>(buf.base, mapped) };
-        // The old slice is cudarc's view of memory it must not free: its stream waits for its
-        // events, and it is forgotten.
-        mem::replace(&mut *buf.slice, slice).leak();
-        buf.len = mapped;
+        buf.len.store(mapped, Relaxed);
         state.allocs.fetch_add(1, Relaxed);
         state.outstanding.fetch_add(mapped - before, Relaxed);
         Ok(true)
@@ -372,8 +369,10 @@ impl Backend for CudaBackend {
 pub(crate) struct CudaBuf {
     /// Dropped in `Drop`: freed by cudarc, or leaked back for a view.
     slice: ManuallyDrop<CudaSlice<u8>>,
-    /// The buffer's size: the slice's, or less for a view (see [`CudaBuf::set_view_len`]).
-    len: usize,
+    /// The buffer's size: the slice's, or less for a view (see [`CudaBuf::set_view_len`]), or
+    /// more for a growable block grown (atomic: it grows through a shared reference; read
+    /// relaxed, a plain load).
+    len: AtomicUsize,
     /// The device address of the first byte, read without cudarc's event tracking (graph
     /// capture uses it raw).
     base: CUdeviceptr,
@@ -389,9 +388,9 @@ pub(crate) struct CudaBuf {
     /// Flags of captured graphs that bake in this buffer's address for its current owner;
     /// cleared when the owner drops (the graph must not be replayed any more).
     watchers: Mutex<Vec<Arc<AtomicBool>>>,
-    /// A growable block's mapping (see [`vmm`]): the slice is then cudarc's view of it, never
-    /// freed by cudarc.
-    mapping: Option<vmm::Mapping>,
+    /// A growable block's mapping (see [`vmm`]), locked to grow: the slice is then cudarc's view
+    /// of its first bytes, never freed by cudarc.
+    mapping: Option<Mutex<vmm::Mapping>>,
 }
 
 impl CudaBuf {
@@ -399,7 +398,7 @@ impl CudaBuf {
     /// marks, events or watchers; a `view` never frees its memory.
     fn new(slice: CudaSlice<u8>, base: CUdeviceptr, view: bool, stream: Arc<CudaStream>) -> Self {
         CudaBuf {
-            len: slice.len(),
+            len: AtomicUsize::new(slice.len()),
             slice: ManuallyDrop::new(slice),
             base,
             view,
@@ -414,7 +413,7 @@ impl CudaBuf {
     /// The size in bytes.
     #[inline]
     pub(crate) fn bytes(&self) -> usize {
-        self.len
+        self.len.load(Relaxed)
     }
 
     /// Makes a view `bytes` long: the same cudarc slice (and events), over the range the view
@@ -424,7 +423,7 @@ impl CudaBuf {
     /// `self` was made by [`CudaBuf::view`] over at least `bytes > 0` bytes.
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
         debug_assert!(self.view && bytes <= self.slice.len());
-        self.len = bytes;
+        *self.len.get_mut() = bytes;
     }
 
     /// The device the buffer lives on.
@@ -672,7 +671,7 @@ impl Drop for CudaBuf {
         }
         self.end_use();
         if let Some(mapping) = self.mapping.take() {
-            return self.release(mapping);
+            return self.release(mapping.into_inner());
         }
         let free_stream = Arc::clone(self.slice.stream());
         let ctx = free_stream.context();

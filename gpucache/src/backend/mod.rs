@@ -53,12 +53,10 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     /// Grows `storage`, made by this backend on `device`, in place to at least `bytes`: its
     /// address and contents stay, and only the new bytes are allocated (counted as one
     /// allocation). `Ok(false)` when it cannot (memory not made growable, or no room to grow).
-    fn grow(
-        &self,
-        device: Device,
-        storage: &mut Storage,
-        bytes: usize,
-    ) -> Result<bool, AllocError> {
+    /// Through a shared reference: views of the storage may be alive, on any thread, and
+    /// stay valid (a plan's block grows under the arrays a step keeps alive in it); the
+    /// storage's growable state is behind its own lock or atomics.
+    fn grow(&self, device: Device, storage: &Storage, bytes: usize) -> Result<bool, AllocError> {
         let _ = (device, storage, bytes);
         Ok(false)
     }
@@ -106,7 +104,7 @@ impl Storage {
     }
 
     /// The host memory, when that is what it is.
-    pub(crate) fn host_mut(&mut self) -> Option<&mut HostBuf> {
+    pub(crate) fn host(&self) -> Option<&HostBuf> {
         match self {
             Storage::Host(h) => Some(h),
             #[cfg(feature = "cuda")]
@@ -180,11 +178,10 @@ impl Block {
         })
     }
 
-    /// Grows the block in place to at least `bytes` (see [`Backend::grow`]); `Ok(false)` when
-    /// its backend cannot.
-    pub(crate) fn grow(&mut self, bytes: usize) -> Result<bool, AllocError> {
-        let device = self.device();
-        self.backend.grow(device, &mut self.storage, bytes)
+    /// Grows the block in place to at least `bytes` (see [`Backend::grow`]: views of it stay
+    /// valid); `Ok(false)` when its backend cannot.
+    pub(crate) fn grow(&self, bytes: usize) -> Result<bool, AllocError> {
+        self.backend.grow(self.device(), &self.storage, bytes)
     }
 
     /// Whether [`Block::grow`] may grow the block.

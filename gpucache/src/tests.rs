@@ -435,3 +435,69 @@ fn a_block_outgrown_under_an_array_kept_past_its_step_grows_in_place() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// Two kinds of step (a batch of 4096 and one of 16384 elements), each with a plan: a step of
+/// the first kind keeps its loss, from its plan's block, into the next step, of the second kind.
+/// That step switches to its kind's shelved plan with the loss in the block (a pin), its
+/// positions over the loss waiting until it drops, rather than following the first kind's plan,
+/// which it outgrows (its arrays then from the block's free bytes, and apart what they cannot
+/// hold).
+#[test]
+fn a_step_switches_to_its_kinds_plan_with_an_earlier_steps_loss_in_the_block() {
+    let name = "unit-switch-pinned";
+    let (backend, _installed, _serial) = planned(name);
+    // `pairs` pairs of arrays after the input, in a chain, or all alive to the step's end (the
+    // small kind's: the large kind's plan reuses their bytes too early for them).
+    let step = |n: usize, pairs: usize, v: u32, keep: bool| -> Option<Array<u32>> {
+        let _scope = crate::enter(name);
+        let input = filled(n, 7);
+        // A step that keeps its loss makes its last array larger than planned: it leaves its
+        // plan there, and the loss comes from the block's free bytes (a pin at its end).
+        let last = 2 * pairs - 1;
+        let lens = (0..2 * pairs).map(|i| match i {
+            i if i == last && keep => 2 * n,
+            i if i % 2 == 0 => 2 * n,
+            _ => n,
+        });
+        let all: Vec<Array<u32>> = if n > 4096 {
+            chain(lens);
+            Vec::new()
+        } else {
+            lens.map(|len| filled(len, 3)).collect()
+        };
+        assert!(
+            all.iter()
+                .all(|a| a.to_vec().unwrap().iter().all(|&e| e == 3))
+        );
+        let loss = filled(64, v);
+        assert!(input.to_vec().unwrap().iter().all(|&e| e == 7));
+        keep.then_some(loss)
+    };
+    // A first step of a third kind (a cold start), then the large kind's steps, then the small
+    // kind's (another plan: the large one's plan holds them, but they come in another order).
+    for (n, pairs) in [(4096, 5), (16384, 3), (16384, 3), (4096, 2), (4096, 2)] {
+        step(n, pairs, 0, false);
+    }
+    let held = backend.outstanding_bytes();
+    let loss = step(4096, 2, 1, true).unwrap();
+    backend.reset_peak();
+    let allocs = backend.allocs();
+    step(16384, 3, 2, false);
+    assert!(loss.to_vec().unwrap().iter().all(|&e| e == 1));
+    drop(loss);
+    // Its plan's position over the loss waited (the step left its plan there, and that array,
+    // 128 KiB, went apart): one device allocation, where following the small kind's plan made
+    // two (and held 64 KiB more).
+    assert_eq!(
+        backend.allocs(),
+        allocs + 1,
+        "the large kind's plan served the step"
+    );
+    assert!(
+        backend.peak_bytes() <= held + 4 * 2 * 16384 + 512,
+        "{} bytes held at most, {held} before",
+        backend.peak_bytes()
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

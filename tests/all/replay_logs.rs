@@ -26,7 +26,7 @@ const LOGS: &[(&str, f64)] = &[
     ("llama_ckpt_train", 1.10),
     ("resnet_epochs_train", 1.10),
     ("gpt2_vary_train", 1.10),
-    ("mobilenet_vary_train", 1.12),
+    ("mobilenet_vary_train", 1.10),
     ("bert_infer", 1.10),
     ("effnet_infer", 1.10),
     ("convnext_infer", 1.10),

@@ -66,7 +66,8 @@
 //! plans share the device's one block. At a step's first allocation, the plan whose recorded
 //! first allocation fits it most tightly is switched in (only when no array uses the block but
 //! pins, and the plan fits the block: a plan knows only its own arrays' positions, and its
-//! positions over the pins wait until they drop); none fitting, the largest, one made from a cold
+//! positions over the pins are served apart until they drop); none fitting, the largest, one made
+//! from a cold
 //! start last. A plan scaled for a step of another kind is shelved as it was before
 //! ([`Layout::unscale`]). A step of the same kind whose plan comes out much
 //! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
@@ -137,8 +138,8 @@
 //! replaces it, in a step that left its plan). They are the new plan's *pins*
 //! ([`DeviceArena::pins_for`]): its positions are placed around them
 //! ([`crate::planner::greedy_by_size_around`]), or, when that no longer fits the block, placed
-//! as if they were not there, and the positions over them are not served until they drop (as an
-//! overdue position's bytes are not); the gaps leave them out; each goes when its array drops
+//! as if they were not there, and a position over them is served apart until they drop (the
+//! step staying on its plan: [`Serve::Blocked`]); the gaps leave them out; each goes when its array drops
 //! (named by its home: the step that made it and its slot; a pin older than [`MAX_PIN_AGE`]
 //! steps makes the block leave the plan, since step numbers wrap). Retired under the loss
 //! instead, a block of 2.6 GB stayed alive into the next step beside the next plan's new block,
@@ -1005,8 +1006,8 @@ impl DeviceArena {
     /// the current plan on a tie. A shelved plan is switched in only when no array uses the
     /// block, which the layouts share (a layout knows only its own arrays), but pins of the
     /// current plan (a loss from the last step, kept until this one replaces it) in a block that
-    /// holds the shelved plan: the pins stay the plan's, and the positions over them wait until
-    /// they drop. A step that cannot switch follows a plan of another kind, and leaves it
+    /// holds the shelved plan: the pins stay the plan's, and the positions over them are served
+    /// apart until they drop. A step that cannot switch follows a plan of another kind, and leaves it
     /// (ResNet-50 trained on a varying batch, its loss in the block: 1.070x of peak live, 1.182x
     /// in the worst order, against 1.052x switching). Returns whether the block was retired
     /// (never: no array uses it).
@@ -1039,7 +1040,8 @@ impl DeviceArena {
         let fits = plan.block_bytes() >= self.shelf[i].layout.footprint;
         // Arrays of earlier steps alive in the block, every one a pin (a loss, or gradients,
         // kept until the next step's): the shelved plan takes the block if it holds it, its
-        // positions over the pins waiting until they drop. Else it waits for an unused block.
+        // positions over the pins served apart until they drop. Else it waits for an unused
+        // block.
         if plan.block_in_use() && !(fits && plan.holds_only_pins()) {
             return false;
         }
@@ -1431,8 +1433,9 @@ impl DeviceArena {
                     only_pinned(b) && unsafe { b.as_ref() }.block.is_growable()
                 });
             // Placed around the pinned arrays, the plan no longer fits the block, which cannot
-            // grow: it is placed as if they were not there, and its positions over them wait
-            // until they drop (if that does not fit the block either, the block is not kept).
+            // grow: it is placed as if they were not there, and its positions over them are
+            // served apart until they drop (if that does not fit the block either, the block is
+            // not kept).
             // With whether it is so.
             let place = |merged: Option<&Layout>| {
                 let layout = plan_step(merged, &pinned);
@@ -1630,13 +1633,15 @@ impl CacheState {
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),
-                // A small array the plan does not hold: apart, from a spare once warm.
-                Serve::Extra if !a.diverged => {}
+                // A small array the plan does not hold, or a position over bytes an earlier
+                // step's array still holds: apart, from a spare once warm, the step staying on
+                // its plan (a position blocked so is no reason to plan the step again).
+                Serve::Extra | Serve::Blocked if !a.diverged => {}
                 Serve::Diverged if !a.diverged && a.grows_in_place(st, pos, size) => {
                     a.grown += size;
                     a.replan = true;
                 }
-                Serve::Diverged | Serve::Extra => {
+                Serve::Diverged | Serve::Extra | Serve::Blocked => {
                     // The array of its position in an earlier step is still alive: this one
                     // likely outlives its step too, and goes apart (in the block it would keep
                     // the whole block from the next step).

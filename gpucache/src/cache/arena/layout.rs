@@ -152,6 +152,9 @@ pub(super) enum Serve {
     /// A small array the plan does not hold (an extra one, or one past the plan's end): served
     /// apart, the step staying on its plan.
     Extra,
+    /// A position over bytes an array of an earlier step still holds, which the plan was not
+    /// placed around ([`Layout::block`]): served apart, the step staying on its plan.
+    Blocked,
 }
 
 /// The positions of a plan, their offsets, and which are alive.
@@ -592,7 +595,7 @@ impl Layout {
             return Serve::Diverged;
         }
         if self.blocked.iter().any(|r| r.start < hi && lo < r.end) {
-            return Serve::Diverged;
+            return Serve::Blocked;
         }
         let offset = s.offset;
         let s = &mut self.spots[k as usize];
@@ -635,7 +638,8 @@ impl Layout {
     }
 
     /// The bytes `range` of the block hold an array of an earlier step, which the plan was not
-    /// placed around: no position that meets them is served until [`Layout::unblock`].
+    /// placed around: no position that meets them is served from the block until
+    /// [`Layout::unblock`] ([`Serve::Blocked`]).
     pub(super) fn block(&mut self, range: std::ops::Range<usize>) {
         self.blocked.push(range);
     }
@@ -1098,7 +1102,7 @@ mod tests {
         let l = Layout::new_around(&step(), None, std::slice::from_ref(&taken));
         assert!((0..3).all(|k| l.spot(k).0 >= 256), "{:?}", l.spots);
         assert_eq!(l.footprint, 768 + 256);
-        // Placed as if it were not there, the positions over it wait until it drops.
+        // Placed as if it were not there, the positions over it are served apart until it drops.
         let mut l = Layout::new(&step(), None);
         let a = l.spot(0).0;
         l.block(a..a + 256);
@@ -1107,7 +1111,7 @@ mod tests {
             None,
             "not the plain case while bytes are blocked"
         );
-        assert_eq!(l.next(256, 0), (Serve::Diverged, 0));
+        assert_eq!(l.next(256, 0), (Serve::Blocked, 0));
         let b = at(&mut l, 512).expect("b's bytes are not blocked");
         assert!(b >= a + 256 || b + 512 <= a);
         l.unblock(&(a..a + 256));

@@ -68,9 +68,8 @@
 //! plans share the device's one block. At a step's first allocation, the plan whose recorded
 //! first allocation fits it most tightly is switched in (only when no array uses the block but
 //! pins, and the plan fits the block: a plan knows only its own arrays' positions, and its
-//! positions over the pins are served apart until they drop); none fitting, the largest, one made
-//! from a cold
-//! start last. A plan scaled for a step of another kind is shelved as it was before
+//! positions over the pins are served apart until they drop); none fitting, the largest, one
+//! made from a cold start last. A plan scaled for a step of another kind is shelved as it was before
 //! ([`Layout::unscale`]). A step of the same kind whose plan comes out much
 //! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
 //! The block is kept while the plans fit it; a step that outgrows it gives it back. A step that
@@ -141,8 +140,8 @@
 //! ([`DeviceArena::pins_for`]): its positions are placed around them
 //! ([`crate::planner::greedy_by_size_around`]), or, when that no longer fits the block, placed
 //! as if they were not there, and a position over them is served apart until they drop (the
-//! step staying on its plan: [`Serve::Blocked`]); the gaps leave them out; each goes when its array drops
-//! (named by its home: the step that made it and its slot; a pin older than [`MAX_PIN_AGE`]
+//! step staying on its plan: [`Serve::Blocked`]); the gaps leave them out; each goes when its
+//! array drops (named by its home: the step that made it and its slot; a pin older than [`MAX_PIN_AGE`]
 //! steps makes the block leave the plan, since step numbers wrap). Retired under the loss
 //! instead, a block of 2.6 GB stayed alive into the next step beside the next plan's new block,
 //! every step (MobileNetV3 trained with a varying batch held 2.01x of its peak live bytes; with
@@ -1009,10 +1008,10 @@ impl DeviceArena {
     /// block, which the layouts share (a layout knows only its own arrays), but pins of the
     /// current plan (a loss from the last step, kept until this one replaces it) in a block that
     /// holds the shelved plan: the pins stay the plan's, and the positions over them are served
-    /// apart until they drop. A step that cannot switch follows a plan of another kind, and leaves it
-    /// (ResNet-50 trained on a varying batch, its loss in the block: 1.070x of peak live, 1.182x
-    /// in the worst order, against 1.052x switching). Returns whether the block was retired
-    /// (never: no array uses it).
+    /// apart until they drop. A step that cannot switch follows a plan of another kind, and
+    /// leaves it (ResNet-50 trained on a varying batch, its loss in the block: 1.070x of peak
+    /// live, 1.182x in the worst order, against 1.052x switching). Returns whether the block was
+    /// retired (never: no array uses it).
     fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
@@ -1444,8 +1443,7 @@ impl DeviceArena {
             // Placed around the pinned arrays, the plan no longer fits the block, which cannot
             // grow: it is placed as if they were not there, and its positions over them are
             // served apart until they drop (if that does not fit the block either, the block is
-            // not kept).
-            // With whether it is so.
+            // not kept). With whether it is so.
             let place = |merged: Option<&Layout>| {
                 let layout = plan_step(merged, &pinned);
                 if !pinned.is_empty() && block_bytes < layout.footprint && !growable {

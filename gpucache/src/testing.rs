@@ -146,12 +146,13 @@ impl CountingBackend {
     }
 
     /// `bytes` as a growable block maps them (see [`set_granularity`](Self::set_granularity)),
-    /// `None` past the largest size.
+    /// `None` past its reserve.
     fn mapped(&self, bytes: usize) -> Option<usize> {
         match self.granularity.load(SeqCst) {
             0 => Some(bytes),
             g => bytes.checked_next_multiple_of(g),
         }
+        .filter(|&b| b <= GROWABLE_RESERVE)
     }
 
     /// Attempts that were made to fail.
@@ -266,7 +267,7 @@ impl Backend for CountingBackend {
 
     fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
         let small = self.granularity.load(SeqCst) != 0 && bytes < backend::GROWABLE_MIN;
-        let mapped = self.mapped(bytes).filter(|&b| b <= GROWABLE_RESERVE);
+        let mapped = self.mapped(bytes);
         let Some(bytes) = mapped.filter(|_| self.growable.load(SeqCst) && cfg!(unix) && !small)
         else {
             return self.alloc(device, bytes, false);
@@ -282,7 +283,7 @@ impl Backend for CountingBackend {
     }
 
     fn grow(&self, _device: Device, storage: &Storage, bytes: usize) -> Result<bool, AllocError> {
-        let Some(bytes) = self.mapped(bytes).filter(|&b| b <= GROWABLE_RESERVE) else {
+        let Some(bytes) = self.mapped(bytes) else {
             return Ok(false);
         };
         if !self.is_growable(storage) {

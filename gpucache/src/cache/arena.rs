@@ -726,8 +726,15 @@ fn uncached(st: &Counters, g: GaugeIx, bytes: usize) {
 #[cold]
 #[inline(never)]
 fn note_block(st: &Counters, g: GaugeIx, trace: &CellName, kind: EventKind, block: &Block) {
+    note_buffer(st, g, trace, kind, BufferNote::of(block));
+}
+
+/// [`note_block`] of a buffer as `note` says it was (a block since grown).
+#[cold]
+#[inline(never)]
+fn note_buffer(st: &Counters, g: GaugeIx, trace: &CellName, kind: EventKind, note: BufferNote) {
     let after = super::traced::gauge_bytes(st, g);
-    BufferNote::of(block).push(kind, trace.id(), Some(after));
+    note.push(kind, trace.id(), Some(after));
 }
 
 /// Gives `block`, of gauge `g` of the cache named `trace`, back to the device (recorded).
@@ -856,11 +863,7 @@ impl DeviceArena {
                 old
             });
         if !capturing {
-            self.free_spares_for(st, capacity);
-            let pass = self.would_pass_high(st, capacity);
-            if let Some((old, _)) = self.given_up.take_if(|_| pass) {
-                self.free_cached(st, old);
-            }
+            self.make_room(st, capacity);
         }
         let make = match grown {
             Some(old) => Make::Grow(old),
@@ -871,6 +874,18 @@ impl DeviceArena {
             capacity,
             view: true,
             make,
+        }
+    }
+
+    /// Before a device allocation of `capacity` bytes that would take the cache past the most
+    /// it has held ([`DeviceArena::high`]), what it keeps for later goes back to the device: the
+    /// spares first ([`DeviceArena::free_spares_for`]), then the block given up last.
+    fn make_room(&mut self, st: &Counters, capacity: usize) {
+        self.free_spares_for(st, capacity);
+        if self.would_pass_high(st, capacity)
+            && let Some((given_up, _)) = self.given_up.take()
+        {
+            self.free_cached(st, given_up);
         }
     }
 
@@ -1103,16 +1118,19 @@ impl DeviceArena {
         let l = &plan.layout;
         let planned = l.range(pos).len();
         let share = l.footprint / GROWN_SHARE;
-        let scales_now = !plan.block_in_use() && l.scales(&self.record);
-        let scales_instead = (size >= share || self.grown + size >= share && scales_now)
-            && plan.pins.is_empty()
-            && self.would_pass_high(st, size);
+        // The step's record is looked at last, only when the bytes grown pass the share.
+        let scales_instead = || {
+            plan.pins.is_empty()
+                && self.would_pass_high(st, size)
+                && (size >= share
+                    || self.grown + size >= share && !plan.block_in_use() && l.scales(&self.record))
+        };
         planned > 0
             && size > planned
             && !l.is_live(pos)
             && self.grown + size <= l.footprint / 8
             && !l.another_array(planned, size)
-            && !scales_instead
+            && !scales_instead()
     }
 
     /// Takes the plan's block out of the plan: freed if no array uses it, else retired (then
@@ -1179,13 +1197,7 @@ impl DeviceArena {
         // SAFETY: a plan's block is the cache's until detached, and alive while it is.
         let block = &unsafe { arena.as_ref() }.block;
         let old = block.bytes();
-        let more = bytes.saturating_sub(old);
-        self.free_spares_for(st, more);
-        if self.would_pass_high(st, more)
-            && let Some((given_up, _)) = self.given_up.take()
-        {
-            self.free_cached(st, given_up);
-        }
+        self.make_room(st, bytes.saturating_sub(old));
         let note = record::on().then(|| BufferNote::of(block));
         if !matches!(block.grow(bytes), Ok(true)) {
             // Out of memory, or no room to grow: the caller retires the block as before.
@@ -1193,8 +1205,7 @@ impl DeviceArena {
         }
         st.freed(self.gauge, old);
         if let Some(note) = note {
-            let after = super::traced::gauge_bytes(st, self.gauge);
-            note.push(EventKind::DeviceFree, self.trace.id(), Some(after));
+            note_buffer(st, self.gauge, &self.trace, EventKind::DeviceFree, note);
         }
         st.allocated(self.gauge, block.bytes());
         cached(st, self.gauge, block.bytes() - old);

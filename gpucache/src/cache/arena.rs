@@ -58,30 +58,28 @@
 //! An extra array's solo block stays as a spare when its array drops, for the next one.
 //!
 //! One scope may run steps of several kinds: a server's prompt steps and decoding steps, a CNN's
-//! batches whose convolutions cuDNN runs with other algorithms. A step is of its plan's kind
-//! when it made as many arrays larger than small, but for a 64th, and as many allocations or a
-//! first allocation within a factor of two of the recorded step's first
-//! ([`Layout::same_kind`]); a step of another kind is planned apart from it,
-//! and the old plan goes on a *shelf* (eight at most, the least recently used going first, but
-//! never the one of the largest footprint: a step larger than every shelved kind's first
-//! allocation is served by it, where a smaller plan would leave it to the gaps). The
-//! plans share the device's one block. At a step's first allocation, the plan whose recorded
-//! first allocation fits it most tightly is switched in (only when no array uses the block but
-//! pins, and the plan fits the block: a plan knows only its own arrays' positions, and its
-//! positions over the pins are served apart until they drop); none fitting, the largest, one
-//! made from a cold start last. A plan scaled for a step of another kind is shelved as it was before
-//! ([`Layout::unscale`]). A step of the same kind whose plan comes out much
-//! smaller (a smaller batch in another order) also shelves the old plan, for the larger steps.
-//! The block is kept while the plans fit it; a step that outgrows it gives it back. A step that
-//! follows its plan in order and ends early (an evaluation step that begins as the training
-//! step it alternates with) is not planned again: the plan holds it. Nor is a step that left
-//! its plan within its block, much smaller than the plan (its peak a quarter below the
-//! footprint), unlike the last four such steps (its sizes in their order, as a
-//! [signature](layout::signature)), with no array of the block alive at its end: a smaller
-//! batch of a CNN whose cuDNN workspaces come in another order, which the next step, another
-//! batch, would leave again; planning it cost a plan and a switch of plans every step. It is
-//! remembered, so that a kind that comes again soon (steps taking turns, a new batch size from
-//! now on) is planned.
+//! batches whose convolutions cuDNN runs with other algorithms. A step is of its plan's kind when
+//! it made as many arrays larger than small, but for a 64th, and as many allocations or a first
+//! allocation within a factor of two of the recorded step's first ([`Layout::same_kind`]); a step
+//! of another kind is planned apart from it, and the old plan goes on a *shelf* (eight at most, the
+//! least recently used going first, but never the one of the largest footprint: a step larger than
+//! every shelved kind's first allocation is served by it, where a smaller plan would leave it to
+//! the gaps). The plans share the device's one block. At a step's first allocation, the plan whose
+//! recorded first allocation fits it most tightly is switched in (only when no array uses the block
+//! but pins, and the plan fits the block: a plan knows only its own arrays' positions, and its
+//! positions over the pins are served apart until they drop); none fitting, the largest, one made
+//! from a cold start last. A plan scaled for a step of another kind is shelved as it was before
+//! ([`Layout::unscale`]). A step of the same kind whose plan comes out much smaller (a smaller
+//! batch in another order) also shelves the old plan, for the larger steps. The block is kept while
+//! the plans fit it; a step that outgrows it gives it back. A step that follows its plan in order
+//! and ends early (an evaluation step that begins as the training step it alternates with) is not
+//! planned again: the plan holds it. Nor is a step that left its plan within its block, much
+//! smaller than the plan (its peak a quarter below the footprint), unlike the last four such steps
+//! (its sizes in their order, as a [signature](layout::signature)), with no array of the block
+//! alive at its end: a smaller batch of a CNN whose cuDNN workspaces come in another order, which
+//! the next step, another batch, would leave again; planning it cost a plan and a switch of plans
+//! every step. It is remembered, so that a kind that comes again soon (steps taking turns, a new
+//! batch size from now on) is planned.
 //!
 //! Arrays that outlive their step (apart) are matched by position too. One apart in the
 //! recorded step and not near the request's size is skipped only when a later position is near
@@ -134,18 +132,17 @@
 //! those arrays, and freed by the last of them to drop. A solo block is retired from the start.
 //!
 //! A plan remade keeps its block under arrays still alive there when they are few (at most
-//! [`MAX_PINS`]), small (at most a [`PIN_SHARE`]th of the block) and all known: served this
-//! step, at a position or from the gaps (a training loop's loss, kept until the next step's
-//! replaces it, in a step that left its plan). They are the new plan's *pins*
-//! ([`DeviceArena::pins_for`]): its positions are placed around them
-//! ([`crate::planner::greedy_by_size_around`]), or, when that no longer fits the block, placed
-//! as if they were not there, and a position over them is served apart until they drop (the
-//! step staying on its plan: [`Serve::Blocked`]); the gaps leave them out; each goes when its
-//! array drops (named by its home: the step that made it and its slot; a pin older than [`MAX_PIN_AGE`]
-//! steps makes the block leave the plan, since step numbers wrap). Retired under the loss
-//! instead, a block of 2.6 GB stayed alive into the next step beside the next plan's new block,
-//! every step (MobileNetV3 trained with a varying batch held 2.01x of its peak live bytes; with
-//! pins, 1.11x).
+//! [`MAX_PINS`]), small (at most a [`PIN_SHARE`]th of the block) and all known: served this step,
+//! at a position or from the gaps (a training loop's loss, kept until the next step's replaces it,
+//! in a step that left its plan). They are the new plan's *pins* ([`DeviceArena::pins_for`]): its
+//! positions are placed around them ([`crate::planner::greedy_by_size_around`]), or, when that no
+//! longer fits the block, placed as if they were not there, and a position over them is served
+//! apart until they drop (the step staying on its plan: [`Serve::Blocked`]); the gaps leave them
+//! out; each goes when its array drops (named by its home: the step that made it and its slot; a
+//! pin older than [`MAX_PIN_AGE`] steps makes the block leave the plan, since step numbers wrap).
+//! Retired under the loss instead, a block of 2.6 GB stayed alive into the next step beside the
+//! next plan's new block, every step (MobileNetV3 trained with a varying batch held 2.01x of its
+//! peak live bytes; with pins, 1.11x).
 //!
 //! A view costs something to make on CUDA (a cudarc `CudaSlice` with two events of its own), so
 //! views outlive their arrays: a view spans from its offset to the end of the block, and its

@@ -1102,6 +1102,40 @@ fn a_longer_sequence_grows_its_plans_block_in_place(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// One step of a planned cache `name`: an input of 4 MiB alive through the step, a chain of
+/// `n`, 2 MiB, `n`, 2 MiB, `n` floats (each dropped two allocations later, its values checked),
+/// and a loss of 64 floats filled with `v`, kept if `keep`. Kernels fill every array.
+fn layer_chain_step(
+    dev: Device,
+    name: &str,
+    n: usize,
+    v: f32,
+    keep: bool,
+) -> Result<Option<Array<f32>>, Box<dyn StdError>> {
+    let k = 512;
+    let stream = current(dev);
+    let _scope = enter(name);
+    let mut input = Array::<f32>::empty(dev, 2048 * k)?;
+    fill(&stream, &mut input, 7.0)?;
+    let mut chain: Vec<(Array<f32>, f32)> = Vec::new();
+    for (i, len) in [n, 1024 * k, n, 1024 * k, n].into_iter().enumerate() {
+        let mut a = Array::<f32>::empty(dev, len)?;
+        fill(&stream, &mut a, i as f32)?;
+        if chain.len() == 2 {
+            let (old, w) = chain.remove(0);
+            assert!(old.to_vec()?.iter().all(|&x| x == w), "array {w}");
+        }
+        chain.push((a, i as f32));
+    }
+    for (a, w) in &chain {
+        assert!(a.to_vec()?.iter().all(|x| x == w), "array {w}");
+    }
+    let mut loss = Array::<f32>::empty(dev, 64)?;
+    fill(&stream, &mut loss, v)?;
+    assert!(input.to_vec()?.iter().all(|&x| x == 7.0), "the input");
+    Ok(keep.then_some(loss))
+}
+
 /// A larger step that leaves its plan with its input alive in the plan's block (its rest from
 /// the block's free bytes) and keeps its loss, from there, past its end (the steps before
 /// dropped theirs in the step): the next plan, placed around the loss, outgrows the block,
@@ -1113,28 +1147,7 @@ fn a_block_grows_in_place_under_a_loss_kept_past_its_step(dev: Device) -> TestRe
     let name = "cuda-grown-under-loss";
     arena(name);
     let k = 512;
-    // The input (4 MiB, alive through the step), a chain of `n`, 2 MiB, `n`, 2 MiB, `n` floats
-    // (each checked two allocations later), then the loss (kept if `keep`).
-    let step = |n: usize, v: f32, keep: bool| -> Result<Option<Array<f32>>, Box<dyn StdError>> {
-        let stream = current(dev);
-        let _scope = enter(name);
-        let mut input = Array::<f32>::empty(dev, 2048 * k)?;
-        fill(&stream, &mut input, 7.0)?;
-        let mut chain: Vec<(Array<f32>, f32)> = Vec::new();
-        for (i, len) in [n, 1024 * k, n, 1024 * k, n].into_iter().enumerate() {
-            let mut a = Array::<f32>::empty(dev, len)?;
-            fill(&stream, &mut a, i as f32)?;
-            if chain.len() == 2 {
-                let (old, w) = chain.remove(0);
-                assert!(old.to_vec()?.iter().all(|&x| x == w), "array {w}");
-            }
-            chain.push((a, i as f32));
-        }
-        let mut loss = Array::<f32>::empty(dev, 64)?;
-        fill(&stream, &mut loss, v)?;
-        assert!(input.to_vec()?.iter().all(|&x| x == 7.0), "the input");
-        Ok(keep.then_some(loss))
-    };
+    let step = |n: usize, v: f32, keep: bool| layer_chain_step(dev, name, n, v, keep);
     // A plan's block of about 38 MiB: mapped, growable.
     for _ in 0..2 {
         step(8192 * k, 0.0, false)?;
@@ -1167,6 +1180,36 @@ fn a_block_grows_in_place_under_a_loss_kept_past_its_step(dev: Device) -> TestRe
             after.bytes_allocated,
             grown.bytes_allocated
         );
+    }
+    gpucache::invalidate(name);
+    Ok(())
+}
+
+/// Steps of growing sizes that keep their losses (each until the next kept one) grow the plan's
+/// block in place under them; the views made before a growth end where the block did, and a
+/// later step that puts a larger array at the offset of one of them gets a view that reaches
+/// its end (such a view was handed out, too short: the kernel's cudarc view of the array was
+/// refused). Kernels fill every array of every step and each is checked.
+fn a_view_made_before_its_block_grew_is_not_stretched_past_its_end(dev: Device) -> TestResult {
+    let name = "cuda-grown-views";
+    arena(name);
+    let k = 512;
+    let mut kept = None;
+    // Steps of 32, 128, 256 and 128 MiB arrays (found by replaying such steps in the H100's
+    // granules: the last one stretched a view made in the first over 6 MiB to 128 MiB).
+    for (i, (n, keep)) in [(8192, false), (32768, true), (65536, true), (32768, false)]
+        .into_iter()
+        .enumerate()
+    {
+        if let Some(loss) = layer_chain_step(dev, name, n * k, i as f32, keep)?
+            && let Some((old, w)) = kept.replace((loss, i as f32))
+        {
+            let old: Array<f32> = old;
+            assert!(old.to_vec()?.iter().all(|&x| x == w), "loss {w}");
+        }
+    }
+    if let Some((loss, w)) = kept {
+        assert!(loss.to_vec()?.iter().all(|&x| x == w), "loss {w}");
     }
     gpucache::invalidate(name);
     Ok(())
@@ -1248,6 +1291,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     scalars_extra_and_missing_leave_the_layers_on_their_plan,
     a_longer_sequence_grows_its_plans_block_in_place,
     a_block_grows_in_place_under_a_loss_kept_past_its_step,
+    a_view_made_before_its_block_grew_is_not_stretched_past_its_end,
     a_spare_serves_longer_arrays_through_the_view_it_kept,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,

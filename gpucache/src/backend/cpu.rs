@@ -64,7 +64,8 @@ impl HostBuf {
     /// Makes a view (see [`HostBuf::view`]) `bytes` long.
     ///
     /// # Safety
-    /// `self` was made by [`HostBuf::view`] over at least `bytes > 0` bytes.
+    /// `self` was made by [`HostBuf::view`], and the buffer it views holds `bytes > 0` bytes
+    /// from its start (a growable buffer may have grown since).
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
         *self.bytes.get_mut() = bytes;
     }

@@ -420,10 +420,17 @@ impl CudaBuf {
     /// was made for, serves an array of another size there.
     ///
     /// # Safety
-    /// `self` was made by [`CudaBuf::view`] over at least `bytes > 0` bytes.
+    /// `self` was made by [`CudaBuf::view`] over at least `bytes > 0` bytes ([`CudaBuf::spans`]).
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
         debug_assert!(self.view && bytes <= self.slice.len());
         *self.len.get_mut() = bytes;
+    }
+
+    /// Whether the buffer's cudarc slice holds `bytes` bytes (a view's ends where its block
+    /// ended when it was made, and the block may have grown since).
+    #[inline]
+    pub(crate) fn spans(&self, bytes: usize) -> bool {
+        bytes <= self.slice.len()
     }
 
     /// The device the buffer lives on.

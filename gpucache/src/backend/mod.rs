@@ -226,18 +226,34 @@ impl Block {
         })
     }
 
-    /// Makes a view `bytes` long, to serve another array over the range it was made for.
+    /// Makes a view `bytes` long, to serve another array where it was made.
     ///
     /// # Safety
-    /// `self` was made by [`Block::view`] over at least `bytes > 0` bytes.
+    /// `self` was made by [`Block::view`], its block holds `bytes > 0` bytes from the view's
+    /// start, and the view reaches them ([`Block::spans`]).
     #[inline]
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
         match &mut *self.storage {
-            // SAFETY: a view over at least `bytes` bytes (caller).
+            // SAFETY: a view whose buffer holds `bytes` bytes from its start (caller).
             Storage::Host(h) => unsafe { h.set_view_len(bytes) },
-            // SAFETY: as above.
+            // SAFETY: as above, and its slice reaches them (caller).
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => unsafe { c.set_view_len(bytes) },
+        }
+    }
+
+    /// Whether a view made by [`Block::view`] reaches `bytes` bytes from its start: a device
+    /// view's cudarc slice ends where its block ended when it was made, and the block may have
+    /// grown since (host memory: a pointer, no end of its own).
+    #[inline(always)]
+    pub(crate) fn spans(&self, bytes: usize) -> bool {
+        match &*self.storage {
+            Storage::Host(_) => {
+                let _ = bytes;
+                true
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.spans(bytes),
         }
     }
 

@@ -491,7 +491,11 @@ impl Plan {
     /// idle view made at that offset, or a new one), counted (in gauge `g` of `st`) as in use.
     /// A view spans from its offset to the end of the block, so that it serves any array there
     /// later: a cudarc view is a `CudaSlice` with two events of its own, made once per offset,
-    /// not once per array.
+    /// not once per array. The end is the block's when the view was made: a block grown since
+    /// (under the arrays a step kept) may place a larger array at the offset, and a kept view
+    /// too short for it is dropped and made again (EfficientNet trained on a varying batch,
+    /// replayed in the H100's granules: four arrays of up to 64 MiB were handed views of 1.2 MiB,
+    /// whose cudarc slices would have refused them).
     #[inline(always)]
     fn counted_view(
         &mut self,
@@ -505,7 +509,9 @@ impl Plan {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
         let mut view = match kept {
-            Some(view) => {
+            // A view made before the block grew ends where the block ended then: one at the
+            // bottom of the block's old last range may be asked to reach past it.
+            Some(view) if view.spans(bytes) => {
                 debug_assert_eq!(
                     view.address(),
                     counts.block.address() + offset,
@@ -513,7 +519,8 @@ impl Plan {
                 );
                 view
             }
-            None => {
+            short => {
+                drop_views(short);
                 let span = counts.block.bytes() - offset;
                 let owner: *const dyn Backend = arena.as_ptr().cast_const();
                 // SAFETY: `offset < block bytes` (the layout placed the position and it fits in
@@ -528,8 +535,10 @@ impl Plan {
             }
         };
         debug_assert!(0 < bytes && offset + bytes <= counts.block.bytes());
-        // SAFETY: the view was made at `offset` over the rest of the block, at least `bytes`
-        // bytes (`bytes` fit there): just now, or before it was kept idle at that offset.
+        // SAFETY: the view is at `offset`, the block holds `offset + bytes` (`bytes` fit there),
+        // and the view reaches them: made just now over the rest of the block, or kept idle at
+        // that offset and checked (`spans`: a device view's slice ends where the block did when
+        // it was made; a host view points into the block's memory, which holds them).
         unsafe { view.set_view_len(bytes) };
         counts.count_view();
         let size = aligned(bytes).unwrap_or(bytes);

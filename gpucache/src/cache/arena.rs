@@ -2120,6 +2120,57 @@ impl CacheState {
         }
     }
 
+    /// [`CacheState::drop_view`] of the common case, inlined into the array's drop: an array of
+    /// this step, served at its position of the first device's plan, which the step follows,
+    /// dropped on the owner thread and used on no other stream. Its view is kept for the
+    /// position's next array, the position freed, and the drop recorded. Returns the view when
+    /// it is not that case ([`CacheState::drop_view`] takes it then).
+    #[inline(always)]
+    fn drop_in_plan(
+        &mut self,
+        st: &Counters,
+        arena: BlockPtr,
+        home: &Home,
+        view: Block,
+    ) -> Option<Block> {
+        let Some(a) = self.arenas.devices.first_mut() else {
+            return Some(view);
+        };
+        let pos = home.slot - VIEW_BASE;
+        let Some(plan) = a.plan.as_mut() else {
+            return Some(view);
+        };
+        // The plan's block, not retired (a plan's block is retired only once out of the plan),
+        // and an array of this step (an escaped one may be pinned) at a position of the plan
+        // (not from the gaps, which are closed).
+        if plan.block != Some(arena)
+            || home.generation != a.step
+            || a.diverged
+            || plan.gaps.is_some()
+            || pos >= GAP_BASE
+        {
+            return Some(view);
+        }
+        let Some(kept) = plan.views.get_mut(pos as usize) else {
+            return Some(view);
+        };
+        let bytes = view.bytes();
+        let size = aligned(bytes).unwrap_or(bytes);
+        if let Some(old) = kept.replace(view) {
+            // SAFETY: a kept view was made by `Block::view`, and its block is alive.
+            unsafe { old.drop_view() };
+        }
+        // SAFETY: a view of the block was alive until now, so the block is.
+        unsafe { arena.as_ref() }.uncount_view();
+        plan.in_use -= size;
+        cached(st, a.gauge, size);
+        let rec = plan.layout.dropped(pos);
+        if let Some(r) = a.record.get_mut(rec as usize) {
+            r.end = a.tick;
+        }
+        None
+    }
+
     /// Takes back a view on the owner thread (lock holder): records when it dropped, frees its
     /// position (unless it was used on another stream: then `tainted`), and takes back a
     /// retired block whose last view it was. Returns whether that block went back to the device.
@@ -2419,7 +2470,35 @@ impl CacheCell {
         if view.cuda().is_some() {
             return Self::send_cuda_view_home(home, view, arena, current);
         }
-        Self::view_dropped(home, arena, current, view, false);
+        Self::view_home(home, arena, current, view, false);
+    }
+
+    /// [`CacheCell::view_dropped`], the common case inlined ([`CacheState::drop_in_plan`]): the
+    /// owner thread, the cell a planned cache neither recorded nor closed (its flags `ARENA`
+    /// alone), so nothing to record, and the view used on no other stream.
+    #[inline(always)]
+    fn view_home(
+        home: Home,
+        arena: BlockPtr,
+        current: *const CacheCell,
+        view: Block,
+        tainted: bool,
+    ) {
+        // SAFETY: the cell is alive while the block is, which is while a view of it is (see
+        // `view_dropped`).
+        let cell = unsafe { home.cell.as_ref() };
+        let view = if !tainted && std::ptr::eq(current, cell) && cell.hit_path() == HitPath::Plan {
+            // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
+            // is the owner thread, inside a scope of the cell.
+            let state = unsafe { cell.locked() };
+            match state.drop_in_plan(&cell.stats, arena, &home, view) {
+                Some(view) => view,
+                None => return,
+            }
+        } else {
+            view
+        };
+        Self::view_dropped(home, arena, current, view, tainted);
     }
 
     /// [`CacheCell::send_view_home`] of a view of device memory: the streams it was used on
@@ -2439,7 +2518,7 @@ impl CacheCell {
                 tainted = v.hand_marks_to(parent);
             }
         }
-        Self::view_dropped(home, arena, current, view, tainted);
+        Self::view_home(home, arena, current, view, tainted);
     }
 
     /// The array of `view`, a view of `arena`, dropped: the owner keeps the view for the

@@ -2459,7 +2459,8 @@ impl CacheCell {
     /// sends the block home.
     ///
     /// Inlined, so that the view is taken apart in the drop's own frame rather than moved into
-    /// another one; the rest is out of line, in [`CacheCell::view_dropped`].
+    /// another one, and the common case served there ([`CacheCell::view_home`]); the rest is
+    /// out of line, in [`CacheCell::view_dropped`].
     #[inline(always)]
     pub(super) fn send_view_home(home: Home, view: Block, current: *const CacheCell) {
         // The view's backend is its arena block (see `CacheState::plan_view`).

@@ -468,9 +468,9 @@ impl Plan {
         Some((block, std::mem::take(&mut self.in_use)))
     }
 
-    /// A view for an array of `bytes` bytes at position `pos` (at `offset`) of the plan's block
-    /// `arena`, counted (in gauge `g` of `st`) as in use: the view kept for the position, else
-    /// a loose one at its offset, else a new one.
+    /// A view for an array of `bytes` bytes (`size` aligned) at position `pos` (at `offset`) of
+    /// the plan's block `arena`, counted (in gauge `g` of `st`) as in use: the view kept for the
+    /// position, else a loose one at its offset, else a new one.
     #[inline(always)]
     fn view(
         &mut self,
@@ -478,13 +478,13 @@ impl Plan {
         g: GaugeIx,
         arena: BlockPtr,
         (pos, offset): (u32, usize),
-        bytes: usize,
+        (bytes, size): (usize, usize),
     ) -> Result<Block> {
         let kept = match self.views.get_mut(pos as usize).and_then(Option::take) {
             Some(view) => Some(view),
             None => self.unpark(offset),
         };
-        self.counted_view(st, g, arena, offset, bytes, kept)
+        self.counted_view(st, g, arena, offset, (bytes, size), kept)
     }
 
     /// A view for an array of `bytes` bytes at `offset` of the plan's block `arena` (`kept`, an
@@ -503,9 +503,10 @@ impl Plan {
         g: GaugeIx,
         arena: BlockPtr,
         offset: usize,
-        bytes: usize,
+        (bytes, size): (usize, usize),
         kept: Option<Block>,
     ) -> Result<Block> {
+        debug_assert_eq!(aligned(bytes), Some(size));
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
         let mut view = match kept {
@@ -541,7 +542,6 @@ impl Plan {
         // it was made; a host view points into the block's memory, which holds them).
         unsafe { view.set_view_len(bytes) };
         counts.count_view();
-        let size = aligned(bytes).unwrap_or(bytes);
         self.in_use += size;
         uncached(st, g, size);
         Ok(view)
@@ -1797,7 +1797,8 @@ impl CacheState {
                 return Planned::Failed(e);
             }
         }
-        match plan.view(st, a.gauge, arena, (pos, offset), req.bytes) {
+        let size = aligned(req.bytes).unwrap_or(req.bytes);
+        match plan.view(st, a.gauge, arena, (pos, offset), (req.bytes, size)) {
             Ok(view) => Planned::View(view, view_slot(pos), a.step),
             Err(e) => {
                 plan.layout.dropped(pos);
@@ -1838,7 +1839,7 @@ impl CacheState {
         };
         let kept = plan.unpark(offset);
         Some(
-            match plan.counted_view(st, a.gauge, arena, offset, req.bytes, kept) {
+            match plan.counted_view(st, a.gauge, arena, offset, (req.bytes, size), kept) {
                 Ok(view) => {
                     add(&st.hits, 1);
                     Planned::View(view, gap_slot(rec), a.step)
@@ -1870,7 +1871,7 @@ impl CacheState {
         let size = aligned(req.bytes)?;
         let (offset, pos) = plan.layout.peek(size)?;
         let view = plan
-            .view(st, a.gauge, arena, (pos, offset), req.bytes)
+            .view(st, a.gauge, arena, (pos, offset), (req.bytes, size))
             .ok()?;
         let rec = a.tick;
         a.tick = rec + 1;

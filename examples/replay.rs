@@ -35,8 +35,11 @@
 //! Every round replays the whole log once per variant, the variants round-robin (the first one
 //! rotates from round to round), each from cold: on a new thread (fresh caches), `empty_cache`
 //! before, and the pool trimmed. An untimed round comes first, which follows gpucache's peak
-//! (reading the backend's bytes after every allocation); the timed rounds do not, so that the
-//! host times compare the allocators alone. The memory figures are that round's (the same every
+//! (reading the backend's bytes after every allocation) and checks every array's memory
+//! (`Peak::Checked`: its own tags written at both ends when it is made, through a cudarc view on
+//! CUDA, and read back when it drops: an array handed bytes another live array holds, or a view
+//! that does not reach its end, stops the variant with an error); the timed rounds do neither,
+//! so that the host times compare the allocators alone. The memory figures are that round's (the same every
 //! round but the pool's), the pool's peak the highest of the rounds. The clock runs over the
 //! log's operations made ready beforehand (each array's shape built, each buffer a slot of a
 //! vector), so that it times the allocators, not the parsing of the log or a map of buffers.
@@ -189,10 +192,11 @@ fn report(log: &str, dev: Device, rounds: usize, longer: Option<usize>) -> Resul
     }
     let mut variants = variants(dev);
     let n = variants.len();
-    // Round 0 follows gpucache's peak; the timed rounds after it do not.
+    // Round 0 follows gpucache's peak and checks its arrays' memory; the timed rounds after it
+    // do neither.
     for round in 0..=rounds {
         let peak = if round == 0 {
-            Peak::Tracked
+            Peak::Checked
         } else {
             Peak::Untracked
         };

@@ -501,13 +501,87 @@ pub struct Memory {
 
 /// Whether a replay through gpucache follows its peak (reading the backend's bytes after every
 /// allocation, which costs host time the bare and pool replays do not pay; those follow theirs
-/// for free).
+/// for free), and whether it checks its arrays' memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Peak {
     /// [`Replay::peak_bytes`] is the peak.
     Tracked,
+    /// As `Tracked`, and every array of a replay through gpucache is written at both ends, its
+    /// own tags (8 bytes each, from its number in the replay), through the device's API (a
+    /// cudarc view on CUDA), and read back when it drops (or at the end): a replay whose array
+    /// was handed bytes another live array holds, or a view that does not reach its array's
+    /// end, fails with an error that names the array.
+    Checked,
     /// [`Replay::peak_bytes`] is 0 for a replay through gpucache (for timing).
     Untracked,
+}
+
+/// The tags of array `n` of a checked replay ([`Peak::Checked`]), with where they go: its first
+/// 8 bytes (as many as it has, if fewer) and, for an array of 16 bytes or more, its last 8
+/// ([`tag_spans`]).
+fn tags(n: u64, len: usize) -> [(usize, [u8; 8]); 2] {
+    [
+        (0, n.to_le_bytes()),
+        (len.saturating_sub(8), (!n).to_le_bytes()),
+    ]
+}
+
+/// The bytes of `a` each tag covers: `(offset, length)`.
+fn tag_spans(len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let head = (0, len.min(8));
+    let tail = (len.saturating_sub(8), if len >= 16 { 8 } else { 0 });
+    [head, tail].into_iter().filter(|&(_, n)| n > 0)
+}
+
+/// Writes array `n`'s tags into `a` (see [`Peak::Checked`]).
+fn write_tags(a: &mut Array<u8>, n: u64) -> Result<()> {
+    let len = a.len();
+    if len == 0 {
+        return Ok(());
+    }
+    let tags = tags(n, len);
+    #[cfg(feature = "cuda")]
+    if a.device().is_cuda() {
+        let stream = gpucache::cuda::current_stream(a.device())?;
+        let mut view = a.cuda_view_mut()?;
+        for ((at, k), (_, tag)) in tag_spans(len).zip(tags) {
+            stream.memcpy_htod(&tag[..k], &mut view.slice_mut(at..at + k))?;
+        }
+        return Ok(());
+    }
+    let bytes = a.as_mut_slice()?;
+    for ((at, k), (_, tag)) in tag_spans(len).zip(tags) {
+        bytes[at..at + k].copy_from_slice(&tag[..k]);
+    }
+    Ok(())
+}
+
+/// Checks that `a` still holds array `n`'s tags (see [`Peak::Checked`]).
+fn check_tags(a: &Array<u8>, n: u64) -> Result<()> {
+    let len = a.len();
+    let tags = tags(n, len);
+    for ((at, k), (_, tag)) in tag_spans(len).zip(tags) {
+        #[cfg(feature = "cuda")]
+        let got: Vec<u8> = if a.device().is_cuda() {
+            let stream = gpucache::cuda::current_stream(a.device())?;
+            let got = stream.clone_dtoh(&a.cuda_view()?.slice(at..at + k))?;
+            stream.synchronize()?;
+            got
+        } else {
+            a.as_slice()?[at..at + k].to_vec()
+        };
+        #[cfg(not(feature = "cuda"))]
+        let got: Vec<u8> = a.as_slice()?[at..at + k].to_vec();
+        if got[..] != tag[..k] {
+            return Err(format!(
+                "array {n} of the replay ({len} bytes) was overwritten at byte {at} while alive: \
+                 {got:?} where it wrote {:?}",
+                &tag[..k]
+            )
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// [`replay`] on a new thread, so from fresh caches (a cache's state, an arena's block sizes
@@ -524,11 +598,11 @@ pub fn replay_cold(ops: &[Op], dev: Device, mode: Mode, peak: Peak) -> Result<Re
 }
 
 /// Replays `ops` once on `dev` in `mode` from cold ([`replay_cold`], between two
-/// `empty_cache`s) and returns its memory figures (deterministic on the CPU, when nothing else
-/// uses gpucache meanwhile).
+/// `empty_cache`s), its arrays' memory checked ([`Peak::Checked`]), and returns its memory
+/// figures (deterministic on the CPU, when nothing else uses gpucache meanwhile).
 pub fn memory(ops: &[Op], dev: Device, mode: Mode) -> Result<Memory> {
     gpucache::empty_cache();
-    let r = replay_cold(ops, dev, mode, Peak::Tracked);
+    let r = replay_cold(ops, dev, mode, Peak::Checked);
     gpucache::empty_cache();
     let r = r?;
     Ok(Memory {
@@ -617,9 +691,12 @@ fn prepare(ops: &[Op]) -> Prepared<'_> {
 /// [`replay`], following the peak of a replay through gpucache or not.
 pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<Replay> {
     enum Live {
-        Cached(Array<u8>),
+        /// With its number in the replay.
+        Cached(Array<u8>, u64),
         Bare(Bare, usize),
     }
+    let checked = track == Peak::Checked;
+    let mut made = 0u64;
     let cached = matches!(
         mode,
         Mode::Gpucache | Mode::Configured(_) | Mode::ConfiguredOverPool { .. }
@@ -720,11 +797,15 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
             }
             Ready::Alloc { slot, bytes, shape } => {
                 let array = if cached {
-                    let a = Array::<u8>::empty(dev, shape)?;
-                    if track == Peak::Tracked {
+                    let mut a = Array::<u8>::empty(dev, shape)?;
+                    if track != Peak::Untracked {
                         peak = peak.max(held_now()?);
                     }
-                    Live::Cached(a)
+                    made += 1;
+                    if checked {
+                        write_tags(&mut a, made)?;
+                    }
+                    Live::Cached(a, made)
                 } else {
                     bare_bytes += bytes;
                     bare_allocs += 1;
@@ -742,10 +823,22 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
                     bare_bytes -= bytes;
                     drop(b);
                 }
-                Some(Live::Cached(a)) => drop(a),
+                Some(Live::Cached(a, n)) => {
+                    if checked {
+                        check_tags(&a, n)?;
+                    }
+                    drop(a);
+                }
                 None => {}
             },
             Ready::Skip => {}
+        }
+    }
+    if checked {
+        for l in live.iter().flatten() {
+            if let Live::Cached(a, n) = l {
+                check_tags(a, *n)?;
+            }
         }
     }
     drop(live);
@@ -763,4 +856,37 @@ pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<R
         step_allocs: steps.0,
         step_seconds: steps.1,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tags of a checked replay are found as written, at both ends of an array of 16 bytes
+    /// or more and once in a smaller one, and a byte of either end overwritten is reported with
+    /// the array's number.
+    #[test]
+    fn checked_tags_find_an_array_overwritten_at_either_end() {
+        for len in [1usize, 7, 8, 15, 16, 100] {
+            let mut a = Array::<u8>::zeros(Device::Cpu, len).unwrap();
+            write_tags(&mut a, 41).unwrap();
+            check_tags(&a, 41).unwrap();
+            assert!(
+                check_tags(&a, 42).is_err(),
+                "another array's tags ({len} bytes)"
+            );
+            for at in [0, len - 1] {
+                let mut b = Array::<u8>::zeros(Device::Cpu, len).unwrap();
+                write_tags(&mut b, 41).unwrap();
+                b.as_mut_slice().unwrap()[at] ^= 0xff;
+                // A byte between the tags (of an array of more than 16 bytes) is not looked at.
+                let tagged = at < 8 || len >= 16 && at >= len - 8;
+                let e = check_tags(&b, 41);
+                assert_eq!(e.is_err(), tagged, "byte {at} of {len}");
+                if let Err(e) = e {
+                    assert!(e.to_string().contains("array 41"), "{e}");
+                }
+            }
+        }
+    }
 }

@@ -2472,7 +2472,7 @@ impl CacheCell {
         if view.cuda().is_some() {
             return Self::send_cuda_view_home(home, view, arena, current);
         }
-        Self::view_home(home, arena, current, view, false);
+        Self::view_home((home, view), arena, current, false);
     }
 
     /// [`CacheCell::view_dropped`], the common case inlined ([`CacheState::drop_in_plan`]): the
@@ -2480,27 +2480,35 @@ impl CacheCell {
     /// alone), so nothing to record, and the view used on no other stream.
     #[inline(always)]
     fn view_home(
-        home: Home,
+        (home, view): (Home, Block),
         arena: BlockPtr,
         current: *const CacheCell,
-        view: Block,
         tainted: bool,
     ) {
         // SAFETY: the cell is alive while the block is, which is while a view of it is (see
         // `view_dropped`).
         let cell = unsafe { home.cell.as_ref() };
-        let view = if !tainted && std::ptr::eq(current, cell) && cell.hit_path() == HitPath::Plan {
-            // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
-            // is the owner thread, inside a scope of the cell.
-            let state = unsafe { cell.locked() };
-            match state.drop_in_plan(&cell.stats, arena, &home, view) {
+        let view = match cell.planned_owner(current) {
+            Some(state) if !tainted => match state.drop_in_plan(&cell.stats, arena, &home, view) {
                 Some(view) => view,
                 None => return,
-            }
-        } else {
-            view
+            },
+            _ => view,
         };
         Self::view_dropped(home, arena, current, view, tainted);
+    }
+
+    /// The cell's state, when it is the thread's current cache (`current`) and a planned cache
+    /// neither recorded nor closed (its flags `ARENA` alone): a view's drop there goes straight
+    /// to the state, with nothing to record.
+    #[allow(clippy::mut_from_ref)] // the lock, not the borrow, makes it unique (see `locked`)
+    #[inline(always)]
+    fn planned_owner(&self, current: *const CacheCell) -> Option<&mut CacheState> {
+        (std::ptr::eq(current, self) && self.hit_path() == HitPath::Plan).then(|| {
+            // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
+            // is the owner thread, inside a scope of the cell.
+            unsafe { self.locked() }
+        })
     }
 
     /// [`CacheCell::send_view_home`] of a view of device memory: the streams it was used on
@@ -2520,7 +2528,7 @@ impl CacheCell {
                 tainted = v.hand_marks_to(parent);
             }
         }
-        Self::view_home(home, arena, current, view, tainted);
+        Self::view_home((home, view), arena, current, tainted);
     }
 
     /// The array of `view`, a view of `arena`, dropped: the owner keeps the view for the
@@ -2537,12 +2545,8 @@ impl CacheCell {
         // SAFETY: the block is alive while it is the plan's or retired with views (this one was
         // alive until now), and the cell is alive while the block is (see the module docs).
         let cell = unsafe { home.cell.as_ref() };
-        // The common case first: the owner thread, the cell a planned cache neither recorded
-        // nor closed (its flags `ARENA` alone), so nothing to record.
-        if std::ptr::eq(current, cell) && cell.hit_path() == HitPath::Plan {
-            // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
-            // is the owner thread, inside a scope of the cell.
-            let state = unsafe { cell.locked() };
+        // The common case first: nothing to record.
+        if let Some(state) = cell.planned_owner(current) {
             state.drop_view(&cell.stats, arena, &home, view, tainted);
             return;
         }

@@ -39,10 +39,11 @@
 //! (`Peak::Checked`: its own tags written at both ends when it is made, through a cudarc view on
 //! CUDA, and read back when it drops: an array handed bytes another live array holds, or a view
 //! that does not reach its end, stops the variant with an error); the timed rounds do neither,
-//! so that the host times compare the allocators alone. The memory figures are that round's (the same every
-//! round but the pool's), the pool's peak the highest of the rounds. The clock runs over the
-//! log's operations made ready beforehand (each array's shape built, each buffer a slot of a
-//! vector), so that it times the allocators, not the parsing of the log or a map of buffers.
+//! so that the host times compare the allocators alone. The memory figures are that round's
+//! (the same every round but the pool's), the pool's peak the highest of the rounds. The clock
+//! runs over the log's operations made ready beforehand (each array's shape built, each buffer
+//! a slot of a vector), so that it times the allocators, not the parsing of the log or a map of
+//! buffers.
 
 use gpucache_suite::replay;
 

@@ -516,17 +516,13 @@ pub enum Peak {
     Untracked,
 }
 
-/// The tags of array `n` of a checked replay ([`Peak::Checked`]), with where they go: its first
-/// 8 bytes (as many as it has, if fewer) and, for an array of 16 bytes or more, its last 8
-/// ([`tag_spans`]).
-fn tags(n: u64, len: usize) -> [(usize, [u8; 8]); 2] {
-    [
-        (0, n.to_le_bytes()),
-        (len.saturating_sub(8), (!n).to_le_bytes()),
-    ]
+/// The tags of array `n` of a checked replay ([`Peak::Checked`]), for its head and its tail.
+fn tags(n: u64) -> [[u8; 8]; 2] {
+    [n.to_le_bytes(), (!n).to_le_bytes()]
 }
 
-/// The bytes of `a` each tag covers: `(offset, length)`.
+/// Where the tags go in an array of `len` bytes, `(offset, length)`: its first 8 bytes (as many
+/// as it has, if fewer) and, for an array of 16 bytes or more, its last 8.
 fn tag_spans(len: usize) -> impl Iterator<Item = (usize, usize)> {
     let head = (0, len.min(8));
     let tail = (len.saturating_sub(8), if len >= 16 { 8 } else { 0 });
@@ -539,18 +535,18 @@ fn write_tags(a: &mut Array<u8>, n: u64) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
-    let tags = tags(n, len);
+    let tags = tags(n);
     #[cfg(feature = "cuda")]
     if a.device().is_cuda() {
         let stream = gpucache::cuda::current_stream(a.device())?;
         let mut view = a.cuda_view_mut()?;
-        for ((at, k), (_, tag)) in tag_spans(len).zip(tags) {
+        for ((at, k), tag) in tag_spans(len).zip(tags) {
             stream.memcpy_htod(&tag[..k], &mut view.slice_mut(at..at + k))?;
         }
         return Ok(());
     }
     let bytes = a.as_mut_slice()?;
-    for ((at, k), (_, tag)) in tag_spans(len).zip(tags) {
+    for ((at, k), tag) in tag_spans(len).zip(tags) {
         bytes[at..at + k].copy_from_slice(&tag[..k]);
     }
     Ok(())
@@ -559,8 +555,7 @@ fn write_tags(a: &mut Array<u8>, n: u64) -> Result<()> {
 /// Checks that `a` still holds array `n`'s tags (see [`Peak::Checked`]).
 fn check_tags(a: &Array<u8>, n: u64) -> Result<()> {
     let len = a.len();
-    let tags = tags(n, len);
-    for ((at, k), (_, tag)) in tag_spans(len).zip(tags) {
+    for ((at, k), tag) in tag_spans(len).zip(tags(n)) {
         #[cfg(feature = "cuda")]
         let got: Vec<u8> = if a.device().is_cuda() {
             let stream = gpucache::cuda::current_stream(a.device())?;
@@ -688,7 +683,8 @@ fn prepare(ops: &[Op]) -> Prepared<'_> {
     Prepared { ops, slots }
 }
 
-/// [`replay`], following the peak of a replay through gpucache or not.
+/// [`replay`], following the peak of a replay through gpucache and checking its arrays' memory
+/// or not (`track`).
 pub fn replay_with(ops: &[Op], dev: Device, mode: Mode, track: Peak) -> Result<Replay> {
     enum Live {
         /// With its number in the replay.

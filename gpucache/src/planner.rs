@@ -7,8 +7,10 @@
 //! chooses them as TensorFlow Lite's arena planner does: the largest array first, each in a gap
 //! left between the arrays already placed whose lifetimes overlap its own, else above them; it
 //! tries the lowest-waste gap (best fit) and the lowest one (first fit), and keeps the smaller
-//! plan, and when both are more than a 32nd above the peak live bytes, places the arrays in the
-//! order they were allocated too (best fit), and keeps the smallest. The block's size (the plan's *footprint*) is at least the step's peak live bytes
+//! plan, and while the best is more than a 32nd above the peak live bytes, places the arrays by
+//! weight too (size times the square root of lifetime, best fit: long-lived arrays at the
+//! bottom), then in the order they were allocated (best fit), and keeps the smallest. The
+//! block's size (the plan's *footprint*) is at least the step's peak live bytes
 //! ([`peak_live`]), and on real steps close to it.
 //!
 //! The arrays each one meets in time are listed once, by a sweep over their starts, so that
@@ -114,17 +116,19 @@ pub fn peak_live(lives: &[Lifetime]) -> usize {
     peak as usize
 }
 
-/// First fit is tried only when best fit's footprint is more than this fraction above the peak
-/// live bytes (the most first fit could save): placing a dense step twice doubled the time of
-/// the plans made at every step of training whose batch or length varies (BERT with dynamic
-/// padding, MobileNetV3: 25% and 21% of the instructions of their whole replays); the real
-/// models' logs held the same without it but BERT with dynamic padding (1.063x, was 1.066x).
+/// Another plan (first fit, by weight, in order) is tried only while the best so far is more than
+/// this fraction above the peak live bytes (the most it could save): placing a dense step twice
+/// doubled the time of the plans made at every step of training whose batch or length varies
+/// (BERT with dynamic padding, MobileNetV3: 25% and 21% of the instructions of their whole
+/// replays); the real models' logs held the same without it but BERT with dynamic padding
+/// (1.063x, was 1.066x).
 const FIRST_FIT_WITHIN: usize = 32;
 
 /// Offsets for `lives` in one block, greedy by size (see the module docs): placed with best fit
 /// and, unless that is within a 32nd of the peak live bytes (the most first fit could save),
-/// with first fit, and, unless the smaller of the two is within a 32nd of the peak, in the order
-/// of their starts with best fit: the plan with the smallest footprint.
+/// with first fit, then by weight (size times the square root of lifetime) with best fit, then
+/// in the order of their starts with best fit, each only while the best plan so far is more
+/// than a 32nd above the peak: the plan with the smallest footprint.
 /// Sizes are taken as they are (align them first to place arrays at aligned offsets).
 pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
     greedy_by_size_around(lives, &[])
@@ -152,12 +156,18 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
     // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%), and
     // largest first is not always the better order either: placed as they were allocated,
     // Swin-T's steps take their peak live bytes, where largest first took 1.113 times them.
-    let other_tries: [&dyn Fn() -> Plan; 2] =
-        [&|| place(lives, &by_size, &overlaps, false, taken), &|| {
+    // Nor do either order's large arrays that live long always go first: RetinaNet's inference
+    // steps keep their feature maps through both heads, and largest first holds 1.24-1.29x of
+    // their peak live bytes, where largest size x square root of lifetime first holds 1.03x.
+    let other_tries: [&dyn Fn() -> Plan; 3] = [
+        &|| place(lives, &by_size, &overlaps, false, taken),
+        &|| place(lives, &weight_order(lives), &overlaps, true, taken),
+        &|| {
             let mut in_order: Vec<usize> = (0..lives.len()).collect();
             in_order.sort_by_key(|&i| (lives[i].start, i));
             place(lives, &in_order, &overlaps, true, taken)
-        }];
+        },
+    ];
     let mut best = place(lives, &by_size, &overlaps, true, taken);
     for other in other_tries {
         if best.footprint <= live + live / FIRST_FIT_WITHIN {
@@ -177,6 +187,17 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
 fn size_order(lives: &[Lifetime]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(lives[i].bytes), lives[i].start, i));
+    order
+}
+
+/// The indices of `lives` by weight, the heaviest first: an array's size times the square root
+/// of its lifetime in ticks (rounded down), so that an array that lives long is placed before
+/// one somewhat larger that lives briefly, and takes the bottom of the block under the short
+/// ones that come and go around it. Ties by start, then position, as [`size_order`].
+fn weight_order(lives: &[Lifetime]) -> Vec<usize> {
+    let weight = |l: &Lifetime| l.bytes as u128 * u128::from(l.end.saturating_sub(l.start).isqrt());
+    let mut order: Vec<usize> = (0..lives.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(weight(&lives[i])), lives[i].start, i));
     order
 }
 
@@ -467,6 +488,38 @@ mod tests {
             footprint = footprint.max(offsets[i] + lives[i].bytes);
         }
         Plan { offsets, footprint }
+    }
+
+    /// A step whose long-lived arrays are smaller than a short-lived one: largest first (with
+    /// either fit) and in the order allocated each put the last array above the rest, 256 bytes
+    /// over the peak; by weight the long-lived array goes first, at the bottom, and the plan
+    /// takes the peak live bytes.
+    #[test]
+    fn long_lived_arrays_go_first_by_weight_when_the_other_orders_waste() {
+        let life = |bytes, start, end| Lifetime { bytes, start, end };
+        let lives = [
+            life(768, 0, 2),
+            life(768, 1, 5),
+            life(512, 2, 5),
+            life(512, 3, 5),
+        ];
+        let overlaps = Overlaps::of(&lives);
+        let in_order: Vec<usize> = (0..lives.len()).collect();
+        for (order, best_fit) in [
+            (size_order(&lives), true),
+            (size_order(&lives), false),
+            (in_order, true),
+        ] {
+            assert_eq!(
+                place(&lives, &order, &overlaps, best_fit, &[]).footprint,
+                2048
+            );
+        }
+        assert_eq!(weight_order(&lives), [1, 0, 2, 3]);
+        let plan = greedy_by_size(&lives);
+        assert_eq!(plan.offsets, [768, 0, 768, 1280]);
+        assert_eq!(plan.footprint, peak_live(&lives));
+        assert_eq!(plan.footprint, 1792);
     }
 
     #[test]

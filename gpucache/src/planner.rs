@@ -185,17 +185,22 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
 /// The indices of `lives`, largest first; ties by start, then position, so that the plan is
 /// deterministic.
 fn size_order(lives: &[Lifetime]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..lives.len()).collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(lives[i].bytes), lives[i].start, i));
-    order
+    heaviest_first(lives, |l| l.bytes as u128)
 }
 
 /// The indices of `lives` by weight, the heaviest first: an array's size times the square root
 /// of its lifetime in ticks (rounded down), so that an array that lives long is placed before
 /// one somewhat larger that lives briefly, and takes the bottom of the block under the short
-/// ones that come and go around it. Ties by start, then position, as [`size_order`].
+/// ones that come and go around it.
 fn weight_order(lives: &[Lifetime]) -> Vec<usize> {
-    let weight = |l: &Lifetime| l.bytes as u128 * u128::from(l.end.saturating_sub(l.start).isqrt());
+    heaviest_first(lives, |l| {
+        l.bytes as u128 * u128::from(l.end.saturating_sub(l.start).isqrt())
+    })
+}
+
+/// The indices of `lives`, the largest `weight` first; ties by start, then position, so that
+/// the plan is deterministic.
+fn heaviest_first(lives: &[Lifetime], weight: impl Fn(&Lifetime) -> u128) -> Vec<usize> {
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(weight(&lives[i])), lives[i].start, i));
     order

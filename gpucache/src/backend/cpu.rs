@@ -129,6 +129,12 @@ impl CpuBackend {
 /// Maps `bytes` of zeroed, page-aligned memory.
 #[cfg(unix)]
 fn map(bytes: usize) -> Option<NonNull<u8>> {
+    map_with(bytes, 0)
+}
+
+/// [`map`] with more `flags` for `mmap`.
+#[cfg(unix)]
+fn map_with(bytes: usize, flags: libc::c_int) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous private mapping with no address hint touches no existing memory; the
     // arguments are valid for any length (the kernel refuses lengths it cannot map).
     let p = unsafe {
@@ -136,7 +142,7 @@ fn map(bytes: usize) -> Option<NonNull<u8>> {
             ptr::null_mut(),
             bytes,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
             -1,
             0,
         )
@@ -166,11 +172,19 @@ fn map(_bytes: usize) -> Option<NonNull<u8>> {
 }
 
 /// A buffer of `bytes` in a mapping of `reserve >= bytes > 0` bytes, which it may grow into in
-/// place ([`HostBuf::set_view_len`] is how: the kernel backs only the pages touched). For the
-/// testing backend's growable blocks; `None` when the mapping fails, or without `mmap`.
+/// place ([`HostBuf::set_view_len`] is how: the kernel backs only the pages touched, and the
+/// mapping reserves no swap, so a reserve as large as a GPU's memory costs addresses only). For
+/// the testing backend's growable blocks; `None` when the mapping fails, or without `mmap`.
+#[cfg(unix)]
 pub(crate) fn map_growable(reserve: usize, bytes: usize) -> Option<HostBuf> {
     debug_assert!(0 < bytes && bytes <= reserve);
-    map(reserve).map(|ptr| HostBuf::new(ptr, bytes))
+    map_with(reserve, libc::MAP_NORESERVE).map(|ptr| HostBuf::new(ptr, bytes))
+}
+
+/// Without `mmap`, no buffer is growable.
+#[cfg(not(unix))]
+pub(crate) fn map_growable(_reserve: usize, _bytes: usize) -> Option<HostBuf> {
+    None
 }
 
 /// Unmaps a buffer made by [`map_growable`] with this `reserve`.

@@ -55,8 +55,8 @@ pub struct CountingBackend {
     plan: Mutex<FailPlan>,
     growable: AtomicBool,
     grows: AtomicU64,
-    /// The addresses of the growable buffers alive.
-    growable_bufs: Mutex<Vec<usize>>,
+    /// The growable buffers alive: their addresses and the bytes each may grow to.
+    growable_bufs: Mutex<Vec<(usize, usize)>>,
     /// Growable blocks are rounded up to a multiple of this, and smaller ones than
     /// `GROWABLE_MIN` are not growable (0: every size as asked, see `set_granularity`).
     granularity: AtomicUsize,
@@ -67,6 +67,10 @@ pub struct CountingBackend {
 /// 1 GiB, a plan's block of EfficientNet-B0 trained on a batch of up to 64 could not grow, and
 /// the replay held 1.187x of peak live where the H100 holds 1.04x).
 const GROWABLE_RESERVE: usize = if usize::BITS >= 64 { 1 << 37 } else { 1 << 30 };
+
+/// The reserve of a growable buffer when the host refuses [`GROWABLE_RESERVE`] of addresses
+/// (a kernel that accounts every mapping, `vm.overcommit_memory = 2`).
+const FALLBACK_RESERVE: usize = 1 << 30;
 
 #[derive(Default)]
 struct FailPlan {
@@ -227,11 +231,23 @@ impl CountingBackend {
         })
     }
 
-    /// Whether `buf` is a growable buffer; if so it is no longer counted as one.
-    fn forget_growable(&self, buf: &cpu::HostBuf) -> bool {
+    /// The reserve of `buf`, if it is a growable buffer; it is no longer counted as one.
+    fn forget_growable(&self, buf: &cpu::HostBuf) -> Option<usize> {
         let mut grows = self.growable_bufs.lock();
-        let at = grows.iter().position(|&p| p == buf.ptr().as_ptr().addr());
-        at.map(|i| grows.swap_remove(i)).is_some()
+        let at = grows
+            .iter()
+            .position(|&(p, _)| p == buf.ptr().as_ptr().addr());
+        at.map(|i| grows.swap_remove(i).1)
+    }
+
+    /// The bytes `buf` may grow to, if it is a growable buffer.
+    fn reserve_of(&self, buf: &cpu::HostBuf) -> Option<usize> {
+        let grows = self.growable_bufs.lock();
+        let addr = buf.ptr().as_ptr().addr();
+        grows
+            .iter()
+            .find(|&&(p, _)| p == addr)
+            .map(|&(_, reserve)| reserve)
     }
 
     /// Counts a successful allocation, with the bytes outstanding just after it.
@@ -276,11 +292,17 @@ impl Backend for CountingBackend {
             return self.alloc(device, bytes, false);
         };
         let outstanding = self.attempt(bytes)?;
-        let Some(buf) = cpu::map_growable(GROWABLE_RESERVE, bytes) else {
+        let mapped = [GROWABLE_RESERVE, FALLBACK_RESERVE]
+            .into_iter()
+            .filter(|&reserve| bytes <= reserve)
+            .find_map(|reserve| Some((cpu::map_growable(reserve, bytes)?, reserve)));
+        let Some((buf, reserve)) = mapped else {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
             return Err(AllocError::OutOfMemory);
         };
-        self.growable_bufs.lock().push(buf.ptr().as_ptr().addr());
+        self.growable_bufs
+            .lock()
+            .push((buf.ptr().as_ptr().addr(), reserve));
         self.counted(outstanding, false);
         Ok(Storage::Host(buf))
     }
@@ -289,17 +311,17 @@ impl Backend for CountingBackend {
         let Some(bytes) = self.mapped(bytes) else {
             return Ok(false);
         };
-        if !self.is_growable(storage) {
-            return Ok(false);
-        }
         let Some(buf) = storage.host() else {
             return Ok(false);
         };
+        if self.reserve_of(buf).is_none_or(|reserve| bytes > reserve) {
+            return Ok(false);
+        }
         let Some(more) = bytes.checked_sub(buf.bytes()).filter(|&m| m > 0) else {
             return Ok(true);
         };
         let outstanding = self.attempt(more)?;
-        // SAFETY: a growable buffer (checked above), of a reserve of `GROWABLE_RESERVE >= bytes`.
+        // SAFETY: a growable buffer (checked above), of a reserve of at least `bytes`.
         unsafe { buf.grow_to(bytes) };
         self.counted(outstanding, false);
         self.grows.fetch_add(1, SeqCst);
@@ -308,10 +330,7 @@ impl Backend for CountingBackend {
 
     fn is_growable(&self, storage: &Storage) -> bool {
         match storage {
-            Storage::Host(buf) => self
-                .growable_bufs
-                .lock()
-                .contains(&buf.ptr().as_ptr().addr()),
+            Storage::Host(buf) => self.reserve_of(buf).is_some(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(_) => false,
         }
@@ -320,15 +339,19 @@ impl Backend for CountingBackend {
     fn free(&self, device: Device, storage: Storage) {
         let bytes = storage.bytes();
         match storage.into_host() {
-            Ok(buf) if self.forget_growable(&buf) => {
-                // SAFETY: made by `map_growable` with this reserve (it was in `growable_bufs`), and
-                // being freed: nothing uses it any more.
-                #[cfg(unix)]
-                unsafe {
-                    cpu::unmap_growable(buf, GROWABLE_RESERVE)
-                };
-            }
-            Ok(buf) => self.host.free(device, Storage::Host(buf)),
+            Ok(buf) => match self.forget_growable(&buf) {
+                Some(reserve) => {
+                    // SAFETY: made by `map_growable` with this reserve (so it was listed in
+                    // `growable_bufs`), and being freed: nothing uses it any more.
+                    #[cfg(unix)]
+                    unsafe {
+                        cpu::unmap_growable(buf, reserve)
+                    };
+                    #[cfg(not(unix))]
+                    let _ = (buf, reserve);
+                }
+                None => self.host.free(device, Storage::Host(buf)),
+            },
             Err(storage) => self.host.free(device, storage),
         }
         self.frees.fetch_add(1, SeqCst);

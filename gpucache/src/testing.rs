@@ -432,21 +432,41 @@ mod tests {
 
     /// A plan's block grows in place as far as a GPU's memory, as on CUDA (the pages untouched
     /// cost nothing): a 1 GiB reserve refused EfficientNet's 1.4 GiB plan, which grows on the GPU.
+    /// Where the host refuses that many addresses (valgrind does), the buffer has 1 GiB and grows
+    /// within it.
     #[cfg(all(unix, target_pointer_width = "64"))]
     #[test]
-    fn growable_blocks_grow_past_a_gibibyte() {
+    fn growable_blocks_grow_as_far_as_their_reserve() {
+        // As large as an H100's memory at least.
+        const { assert!(GROWABLE_RESERVE >= 80 << 30) };
+        let granted = cpu::map_growable(GROWABLE_RESERVE, 4096).map(|probe| {
+            // SAFETY: just made with this reserve, unused.
+            unsafe { cpu::unmap_growable(probe, GROWABLE_RESERVE) }
+        });
         let backend = CountingBackend::new();
         backend.set_growable(true);
         backend.set_granularity(2 << 20);
         let storage = backend.alloc_growable(Device::Cpu, 40 << 20).unwrap();
-        assert!(backend.is_growable(&storage));
+        let reserve = storage.host().and_then(|buf| backend.reserve_of(buf));
+        let expected = if granted.is_some() {
+            GROWABLE_RESERVE
+        } else {
+            FALLBACK_RESERVE
+        };
+        assert_eq!(reserve, Some(expected));
+        // Past 1 GiB where the reserve allows it, rounded up to the granule as the GPU maps it.
+        let far = if expected > 1 << 30 { 3 << 30 } else { 1 << 29 };
         assert!(matches!(
-            backend.grow(Device::Cpu, &storage, (3 << 30) + 1),
+            backend.grow(Device::Cpu, &storage, far + 1),
             Ok(true)
         ));
-        // Rounded up to the granule, as the GPU maps it.
-        assert_eq!(backend.outstanding_bytes(), (3 << 30) + (2 << 20));
+        assert_eq!(backend.outstanding_bytes(), far + (2 << 20));
         assert_eq!(backend.grows(), 1);
+        // Not past it.
+        assert!(matches!(
+            backend.grow(Device::Cpu, &storage, expected + 1),
+            Ok(false)
+        ));
         backend.free(Device::Cpu, storage);
         assert_eq!(backend.outstanding_bytes(), 0);
     }

@@ -65,11 +65,11 @@ pub struct CountingBackend {
 /// The bytes a growable buffer of the testing backend may grow to (addresses only: the kernel
 /// backs the pages touched): as much as a GPU's memory, as the CUDA backend reserves (with
 /// 1 GiB, a plan's block of EfficientNet-B0 trained on a batch of up to 64 could not grow, and
-/// the replay held 1.187x of peak live where the H100 holds 1.04x).
+/// the replay held 1.187x of peak live where an H200 held 1.035x).
 const GROWABLE_RESERVE: usize = if usize::BITS >= 64 { 1 << 37 } else { 1 << 30 };
 
 /// The reserve of a growable buffer when the host refuses [`GROWABLE_RESERVE`] of addresses
-/// (a kernel that accounts every mapping, `vm.overcommit_memory = 2`).
+/// (valgrind does, and a kernel that accounts every mapping, `vm.overcommit_memory = 2`).
 const FALLBACK_RESERVE: usize = 1 << 30;
 
 #[derive(Default)]

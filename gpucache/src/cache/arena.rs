@@ -40,14 +40,14 @@
 //! A position larger than planned does not always make the step leave its plan: while the
 //! arrays that outgrew their positions this step stay within a [`GROWN_BUDGET`]th of the
 //! footprint, each goes apart on its own (a solo block) and the step stays on the plan, which
-//! is made again at its end. Not one of at least a [`GROWN_SHARE`]th of the footprint that, apart, would take
-//! the cache past the most it has held (a larger batch's input): the step leaves its plan at
-//! once, to be served from the plan scaled as it grew, the array included; nor, once the
-//! arrays grown this step pass that share together, while the plan's block is unused and the
-//! plan can be scaled (a longer sequence, grown everywhere in small arrays). A position that
-//! grew by at most a thirty-second since the last plan is planned with room for 32 more such
-//! steps (at most an eighth more): a decoder's attention over the tokens so far grows every
-//! step, and would otherwise outgrow every plan.
+//! is made again at its end. Not one of at least a [`GROWN_SHARE`]th of the footprint that,
+//! apart, would take the cache past the most it has held (a larger batch's input): the step
+//! leaves its plan at once, to be served from the plan scaled as it grew, the array included;
+//! nor, once the arrays grown this step pass that share together, while the plan's block is
+//! unused and the plan can be scaled (a longer sequence, grown everywhere in small arrays). A
+//! position that grew by at most a thirty-second since the last plan is planned with room for
+//! 32 more such steps (at most an eighth more): a decoder's attention over the tokens so far
+//! grows every step, and would otherwise outgrow every plan.
 //!
 //! A step's small arrays ([`layout::SMALL`]: a scalar, a few indices) come and go where its
 //! larger ones do not (cuDNN's empty workspaces, with the batch): one more or one fewer would
@@ -1112,8 +1112,9 @@ impl DeviceArena {
 
     /// Whether position `pos`, which `size` aligned bytes outgrow, is served apart on its own
     /// while the step stays on its plan: it is placed and free, and the bytes grown so far this
-    /// step stay within a [`GROWN_BUDGET`]th of the plan's footprint (a step that grows everywhere, a
-    /// longer sequence, goes apart as a whole, and its plan's block back to the device). A few
+    /// step stay within a [`GROWN_BUDGET`]th of the plan's footprint (a step that grows
+    /// everywhere, a longer sequence, goes apart as a whole, and its plan's block back to the
+    /// device). A few
     /// positions growing a little every step (a decoder's attention over the tokens so far)
     /// then leave the plan's other positions on it. Not an allocation that is another array
     /// than the position's ([`Layout::another_array`]): the step left the plan there. Nor one

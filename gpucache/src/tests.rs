@@ -501,9 +501,9 @@ fn a_step_switches_to_its_kinds_plan_with_an_earlier_steps_loss_in_the_block() {
 /// A step larger everywhere than its plan (a longer sequence) whose arrays are each smaller than
 /// a 64th of the plan's footprint: once the bytes grown this step pass that share, and the
 /// plan's block is unused (the grown arrays went apart), the step leaves its plan and the plan
-/// scaled serves the rest, in one block, rather than each grown array going apart until an
-/// eighth of the footprint has (GPT-2 trained on varying lengths: 111 device allocations after
-/// its second step, 42 so).
+/// scaled serves the rest, in one block, rather than each grown array going apart until the
+/// grown arrays' budget is spent (GPT-2 trained on varying lengths, with a budget of an eighth of
+/// the footprint: 111 device allocations after its second step, 42 so).
 #[test]
 fn a_step_grown_everywhere_in_small_arrays_scales_its_plan() {
     let name = "unit-grown-small";
@@ -521,7 +521,7 @@ fn a_step_grown_everywhere_in_small_arrays_scales_its_plan() {
     let allocs = backend.allocs();
     step(1280);
     // The first grown array apart (a 104th of the footprint), then the scaled plan's block, from
-    // the second on; seven more apart without (nine device allocations).
+    // the second on; more of them apart without (a device allocation each).
     assert_eq!(
         backend.allocs(),
         allocs + 2,

@@ -1125,9 +1125,9 @@ impl DeviceArena {
     /// scaled holds the array too (1.016x both). Nor, when the block is unused (the arrays
     /// grown went apart) and the plan can be scaled for the step, one that takes the bytes grown
     /// this step past that share: a longer sequence grows everywhere, in arrays each smaller
-    /// than the share, which went apart one by one until an eighth of the footprint had (GPT-2
-    /// trained on varying lengths: 113 device allocations after its second step, 42 so; ViT-S
-    /// on a varying batch 24 and 1.051x of peak live, 7 and 1.041x).
+    /// than the share, which went apart one by one until an eighth of the footprint (the budget
+    /// then) had (GPT-2 trained on varying lengths: 113 device allocations after its second
+    /// step, 42 so; ViT-S on a varying batch 24 and 1.051x of peak live, 7 and 1.041x).
     fn grows_in_place(&self, st: &Counters, pos: u32, size: usize) -> bool {
         let Some(plan) = &self.plan else {
             return false;

@@ -203,3 +203,45 @@ proptest! {
         });
     }
 }
+
+/// A loop the random ones found (shrunk): step 5 drops step 4's loss, pinned in the block, on
+/// another thread (the owner still lists the pin) and keeps its own loss at a position of the
+/// plan; step 6 begins as another kind of step, whose plan was switched in under that loss as if
+/// the one array alive were the pin, and handed its bytes out again.
+#[test]
+fn a_pin_dropped_on_another_thread_leaves_no_kept_array_unseen() {
+    let _serial = serial();
+    let step = |rows: &[usize], loss_at, loss, old| Step {
+        rows: rows.to_vec(),
+        window: 1,
+        loss_at,
+        loss,
+        old,
+        event: None,
+    };
+    let scalar: (Dt, &'static [usize]) = (Dt::F32, &[1]);
+    let mut steps = vec![Step {
+        window: 3,
+        ..step(&[48, 32, 16, 32, 16], 4, scalar, Old::DropAt(0))
+    }];
+    steps.extend([
+        step(&[16, 16], 0, scalar, Old::DropAt(0)),
+        step(&[16, 16], 0, scalar, Old::DropAt(0)),
+        step(&[16, 32, 48, 16, 48, 16], 5, scalar, Old::DropAt(0)),
+        step(&[32, 16, 32, 16], 3, scalar, Old::DropAt(4)),
+        step(&[16, 16, 16, 16], 3, scalar, Old::SendAt(0)),
+        step(&[48, 16], 1, (Dt::U8, &[300]), Old::DropAt(2)),
+    ]);
+    run_on_fresh_threads("prop-kept", |_backend, helper| {
+        gpucache::configure(
+            NAME,
+            CacheConfig {
+                key: KeyPolicy::Planned,
+                ..CacheConfig::default()
+            },
+        );
+        train(&steps, &helper);
+        gpucache::invalidate(NAME);
+        gpucache::empty_cache();
+    });
+}

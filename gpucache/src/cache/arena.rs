@@ -317,9 +317,14 @@ impl Plan {
     }
 
     /// Whether the arrays alive in the plan's block, if any, are its pins, none of them used
-    /// on another stream.
+    /// on another stream. As many views alive as pins is not enough: a pin dropped on another
+    /// thread stays listed (the owner does not learn of it), and an array kept at a position
+    /// would make up the count (the layout switched in under it would then hand its bytes out
+    /// again). So no position may be alive, nor any range the gaps handed out.
     fn holds_only_pins(&self) -> bool {
         !self.tainted
+            && self.layout.live_ranges().next().is_none()
+            && self.gaps.as_ref().is_none_or(|g| g.handed_out().is_empty())
             && self.block.is_some_and(|b| {
                 // SAFETY: the plan's block is the cache's, alive until the lock holder detaches
                 // it.

@@ -1295,3 +1295,99 @@ fn a_small_array_kept_past_a_step_that_left_its_plan_keeps_the_block_for_the_nex
         "one block of {block} bytes and a loss apart: {peaks:?}"
     );
 }
+
+/// A small step of three arrays alive together (`first` bytes, `second` bytes and 64 KiB), each
+/// filled and checked once all are made; `keep` returns the second instead of dropping it with
+/// the others. Returns their addresses.
+fn small_step(
+    name: &str,
+    first: usize,
+    second: usize,
+    keep: bool,
+) -> (Vec<usize>, Option<Array<u8>>) {
+    let _scope = gpucache::enter(name);
+    let a = filled(DEV, 1u8, [first]);
+    let b = filled(DEV, 2u8, [second]);
+    let c = filled(DEV, 3u8, [65536]);
+    assert!(common::all_eq(&a, 1) && common::all_eq(&b, 2) && common::all_eq(&c, 3));
+    (vec![addr(&a), addr(&b), addr(&c)], keep.then_some(b))
+}
+
+/// A large step of another kind: one array of 256 KiB. Returns its address.
+fn large_step(name: &str) -> usize {
+    sequence(name, &[262144])[0]
+}
+
+#[test]
+fn a_position_grown_past_a_smaller_plan_is_served_from_the_blocks_tail() {
+    let _serial = serial();
+    let name = "planned-tail";
+    let (backend, _installed) = planned(name, None);
+    // The large kind's plan makes the block; the small kind's plan shares it, its bytes past
+    // the small plan's footprint (the tail) unused.
+    large_step(name);
+    let block = large_step(name);
+    for _ in 0..3 {
+        small_step(name, 2048, 256, false);
+    }
+    let (allocs, held) = (backend.allocs(), backend.outstanding_bytes());
+    // The second position grows (within the grown arrays' budget, the step smaller in all):
+    // it is served apart, the step staying on its plan, from the tail, with no allocation.
+    let (grown, _) = small_step(name, 1536, 512, false);
+    assert_eq!(backend.allocs(), allocs, "no device allocation");
+    let inside = block..block + 262144;
+    assert!(
+        grown.iter().all(|a| inside.contains(a)),
+        "{grown:x?} in {inside:x?}"
+    );
+    assert_eq!(backend.outstanding_bytes(), held, "no more memory");
+    // The plan, made again with room for the grown position, serves it at its place.
+    let (again, _) = small_step(name, 1536, 512, false);
+    assert_eq!(small_step(name, 1536, 512, false).0, again);
+    assert_eq!(backend.allocs(), allocs);
+}
+
+#[test]
+fn an_array_from_the_blocks_tail_kept_past_its_step_is_never_overwritten() {
+    let _serial = serial();
+    let name = "planned-tail-kept";
+    let (backend, _installed) = planned(name, None);
+    large_step(name);
+    let block = large_step(name);
+    for _ in 0..3 {
+        small_step(name, 2048, 256, false);
+    }
+    let (_, kept) = small_step(name, 1536, 512, true);
+    let kept = kept.expect("kept");
+    let inside = block..block + 262144;
+    assert!(inside.contains(&addr(&kept)), "from the tail");
+    // The steps after it, of both kinds, are served around it (the large kind's position
+    // over it apart).
+    for step in 0..9 {
+        match step % 3 {
+            0 => small_step(name, 2048, 512, false),
+            // Grown again: apart, from the tail, around the kept array.
+            1 => small_step(name, 1024, 1024 + 256 * step, false),
+            _ => (vec![large_step(name)], None),
+        };
+        assert!(
+            common::all_eq(&kept, 2),
+            "step {step}: the kept array was overwritten"
+        );
+    }
+    drop(kept);
+    // Once it is gone, both kinds settle again on the one block.
+    small_step(name, 2048, 512, false);
+    large_step(name);
+    let settled = backend.allocs();
+    for _ in 0..2 {
+        small_step(name, 2048, 512, false);
+        large_step(name);
+    }
+    assert_eq!(
+        backend.allocs(),
+        settled,
+        "no device allocation once settled"
+    );
+    assert!(backend.outstanding_bytes() < 2 * 262144, "one block");
+}

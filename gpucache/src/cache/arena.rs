@@ -39,8 +39,14 @@
 //!
 //! A position larger than planned does not always make the step leave its plan: while the
 //! arrays that outgrew their positions this step stay within a [`GROWN_BUDGET`]th of the
-//! footprint, each goes apart on its own (a solo block) and the step stays on the plan, which
-//! is made again at its end. Not one of at least a [`GROWN_SHARE`]th of the footprint that,
+//! footprint, each goes apart on its own and the step stays on the plan, which is made again at
+//! its end. Apart is the block's *tail* when it holds the array (the bytes past the plan's
+//! footprint in a block kept for a larger plan, less the pins; [`Plan::tail`]), else a solo
+//! block; so is a position over pinned bytes ([`Serve::Blocked`]). The tail costs no memory (the
+//! block is held anyway) and no device allocation. It serves nothing in a step larger in all
+//! than its positions so far ([`Layout::larger`]): such a step may outgrow the block, which must
+//! then be free to go back. A tail array alive at the step's end has the step planned again, to
+//! be pinned; one alive when the step leaves its plan is the gaps' from then on. Not one of at least a [`GROWN_SHARE`]th of the footprint that,
 //! apart, would take the cache past the most it has held (a larger batch's input): the step
 //! leaves its plan at once, to be served from the plan scaled as it grew, the array included;
 //! nor, once the arrays grown this step pass that share together, while the plan's block is
@@ -308,6 +314,7 @@ impl Plan {
             ready: false,
             tainted: false,
             gaps: None,
+            tail: None,
             loose_cap,
             views,
             loose: HashMap::new(),
@@ -320,11 +327,11 @@ impl Plan {
     /// on another stream. As many views alive as pins is not enough: a pin dropped on another
     /// thread stays listed (the owner does not learn of it), and an array kept at a position
     /// would make up the count (the layout switched in under it would then hand its bytes out
-    /// again). So no position may be alive, nor any range the gaps handed out.
+    /// again). So no position may be alive, nor any range the gaps or the tail handed out.
     fn holds_only_pins(&self) -> bool {
         !self.tainted
             && self.layout.live_ranges().next().is_none()
-            && self.gaps.as_ref().is_none_or(|g| g.handed_out().is_empty())
+            && self.handed_out().is_empty()
             && self.block.is_some_and(|b| {
                 // SAFETY: the plan's block is the cache's, alive until the lock holder detaches
                 // it.
@@ -348,6 +355,7 @@ impl Plan {
             cached(st, g, std::mem::take(&mut self.in_use));
             self.layout.clear_live();
             self.pins.clear();
+            self.tail = None;
         }
     }
 
@@ -476,8 +484,10 @@ impl Plan {
         drop_views(self.views.iter_mut().filter_map(Option::take));
         drop_views(self.loose.drain().flat_map(|(_, at)| at));
         self.loose_len = 0;
-        // The arrays pinned in the block are the block's (retired under them, if alive).
+        // The arrays pinned in the block, or served from its tail, are the block's (retired
+        // under them, if alive).
         self.pins.clear();
+        self.tail = None;
         self.layout.clear_blocked();
         let block = self.block.take()?;
         Some((block, std::mem::take(&mut self.in_use)))
@@ -583,20 +593,96 @@ impl Plan {
     }
 
     /// The step leaves the plan: the block's bytes that no array uses become its gaps, for the
-    /// rest of the step (when the block exists and may be used on the step's stream).
-    fn open_gaps(&mut self) -> Result<()> {
+    /// rest of the step (when the block exists and may be used on the step's stream). The
+    /// ranges the block's tail handed out (`record` has their sizes) are the gaps' from then on.
+    fn open_gaps(&mut self, record: &[Rec]) -> Result<()> {
         let Some(arena) = self.block else {
             return Ok(());
         };
         if self.make_ready(arena)? {
             // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
             let bytes = unsafe { arena.as_ref() }.block.bytes();
+            let tail = self.tail.take();
+            let handed = tail
+                .iter()
+                .flat_map(|t| t.handed_out())
+                .map(|&(rec, offset)| {
+                    offset..offset + record.get(rec as usize).map_or(bytes, |r| r.bytes)
+                });
             let pinned = self.pins.iter().map(|p| p.range.clone());
-            self.gaps = Some(Gaps::new(bytes, self.layout.live_ranges().chain(pinned)));
+            let used = self.layout.live_ranges().chain(pinned).chain(handed);
+            let mut gaps = Gaps::new(bytes, used);
+            if let Some(tail) = tail {
+                gaps.adopt(tail);
+            }
+            self.gaps = Some(gaps);
             // The gaps hand out offsets, not positions: the positions' idle views go loose.
             self.loosen_views();
         }
         Ok(())
+    }
+
+    /// An offset of `size` aligned bytes in the block's tail (its bytes past the plan's
+    /// footprint, but the pins') for allocation `rec` of a step that follows its plan, if the
+    /// tail holds them: the tail is made at the step's first such allocation, when the block
+    /// exists and may be used on the step's stream.
+    fn tail_offset(&mut self, rec: u32, size: usize) -> Result<Option<usize>> {
+        let Some(arena) = self.block else {
+            return Ok(None);
+        };
+        let footprint = self.layout.footprint;
+        let tail = self.block_bytes().saturating_sub(footprint);
+        if self.gaps.is_some() || tail < size {
+            return Ok(None);
+        }
+        if self.tail.is_none() {
+            if !self.make_ready(arena)? {
+                return Ok(None);
+            }
+            // Below the footprint, the positions; past it, no array of the block but pins (a
+            // block kept for the next plan holds only pins, and the tail is made once a step).
+            let pinned = self.pins.iter().map(|p| p.range.clone());
+            let used = std::iter::once(0..footprint).chain(pinned);
+            self.tail = Some(Gaps::new(self.block_bytes(), used));
+        }
+        Ok(self.tail.as_mut().and_then(|t| t.take(rec, size)))
+    }
+
+    /// A view for allocation `rec`'s array of `bytes` bytes (`size` aligned) at `offset` of the
+    /// block `arena`, handed out by the gaps or the tail: the idle view there, else a new one.
+    /// Should that fail, the range goes back.
+    fn handed_view(
+        &mut self,
+        st: &Counters,
+        g: GaugeIx,
+        arena: BlockPtr,
+        (rec, offset): (u32, usize),
+        (bytes, size): (usize, usize),
+    ) -> Result<Block> {
+        let kept = self.unpark(offset);
+        let view = self.counted_view(st, g, arena, offset, (bytes, size), kept);
+        if view.is_err() {
+            self.give_back(rec, size);
+        }
+        view
+    }
+
+    /// The array of allocation `rec` (`size` aligned bytes), handed out by the gaps or the
+    /// tail, dropped: its range is free again. Returns the range's offset, if `rec` had one.
+    fn give_back(&mut self, rec: u32, size: usize) -> Option<usize> {
+        match (&mut self.gaps, &mut self.tail) {
+            (Some(gaps), _) => gaps.give_back(rec, size),
+            (None, Some(tail)) => tail.give_back(rec, size),
+            (None, None) => None,
+        }
+    }
+
+    /// The ranges the gaps or the tail handed out and not given back, with their allocations.
+    fn handed_out(&self) -> &[(u32, usize)] {
+        self.gaps
+            .as_ref()
+            .or(self.tail.as_ref())
+            .map_or(&[][..], Gaps::handed_out)
     }
 }
 
@@ -1282,7 +1368,7 @@ impl DeviceArena {
         let Some(plan) = &mut self.plan else {
             return false;
         };
-        if plan.open_gaps().is_err() || plan.gaps.is_none() {
+        if plan.open_gaps(&self.record).is_err() || plan.gaps.is_none() {
             return false;
         }
         self.outgrew = false;
@@ -1344,7 +1430,7 @@ impl DeviceArena {
         if plan.tainted || views > MAX_PINS {
             return None;
         }
-        let handed = plan.gaps.as_ref().map_or(&[][..], |g| g.handed_out());
+        let handed = plan.handed_out();
         let positions = plan.layout.alive_at_end()?;
         // Every view alive is a pin, a position or a range handed out from the gaps (each may
         // count one dropped on another thread: then the numbers differ).
@@ -1396,6 +1482,16 @@ impl DeviceArena {
             plan.whole_again();
             plan.ready = false;
         }
+        // Arrays the block's tail served, alive at the step's end: the step is planned again,
+        // so that they are pinned in the block (or it leaves the plan, retired under them).
+        // With none alive, the tail closes with the step.
+        let tail_alive = self.plan.as_mut().is_some_and(|p| {
+            let alive = p.tail.as_ref().is_some_and(|t| !t.handed_out().is_empty());
+            if !alive {
+                p.tail = None;
+            }
+            alive
+        });
         // A block that another stream used, or whose pins are old, leaves the plan.
         let step = self.step;
         let tainted = self
@@ -1407,6 +1503,7 @@ impl DeviceArena {
         // is still placed for the rest of the step only (arrays of the step are alive).
         let kept = self.scaled
             && !self.diverged
+            && !tail_alive
             && self
                 .plan
                 .as_ref()
@@ -1429,7 +1526,7 @@ impl DeviceArena {
             plan.layout.clear_live();
         } else if self.overflowed {
             retired += usize::from(self.drop_plan(st));
-        } else if n > 0 && (self.diverged || self.replan || !followed) && !kept {
+        } else if n > 0 && (self.diverged || self.replan || tail_alive || !followed) && !kept {
             let old = self.plan.take();
             let same = old
                 .as_ref()
@@ -1673,13 +1770,23 @@ impl CacheState {
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => capacity = size_class_within(size),
-                // A small array the plan does not hold, or a position over bytes an earlier
-                // step's array still holds: apart, from a spare once warm, the step staying on
-                // its plan (a position blocked so is no reason to plan the step again).
-                Serve::Extra | Serve::Blocked if !a.diverged => {}
+                // A small array the plan does not hold: apart, from a spare once warm, the step
+                // staying on its plan.
+                Serve::Extra if !a.diverged => {}
+                // A position over bytes an earlier step's array still holds, or one that grew
+                // past its place: apart, the step staying on its plan (a position blocked so is
+                // no reason to plan the step again). In the block's tail, if it has one.
+                Serve::Blocked if !a.diverged => {
+                    if let Some(got) = self.tail_view(st, i, req, rec, size) {
+                        return got;
+                    }
+                }
                 Serve::Diverged if !a.diverged && a.grows_in_place(st, pos, size) => {
                     a.grown += size;
                     a.replan = true;
+                    if let Some(got) = self.tail_view(st, i, req, rec, size) {
+                        return got;
+                    }
                 }
                 Serve::Diverged | Serve::Extra | Serve::Blocked => {
                     // The array of its position in an earlier step is still alive: this one
@@ -1700,7 +1807,7 @@ impl CacheState {
                             && plan.layout.outgrown(&a.record, plan.block_bytes());
                         let held = grew && plan.layout.held_long(rec);
                         if (!grew || held || a.scaled)
-                            && let Err(e) = plan.open_gaps()
+                            && let Err(e) = plan.open_gaps(&a.record)
                         {
                             return Planned::Failed(e);
                         }
@@ -1835,7 +1942,7 @@ impl CacheState {
     ) -> Option<Planned> {
         let a = &mut self.arenas.devices[i];
         let plan = a.plan.as_mut()?;
-        let arena = plan.block?;
+        plan.block?;
         let Some(offset) = plan.gaps.as_mut()?.take(rec, size) else {
             if a.keep_gaps || plan.block_in_use() || !a.may_scale() {
                 // The step outgrew its plan, or its arrays hold the block, or it cannot follow
@@ -1853,21 +1960,61 @@ impl CacheState {
             self.live += usize::from(a.release_unused_block(st));
             return None;
         };
-        let kept = plan.unpark(offset);
-        Some(
-            match plan.counted_view(st, a.gauge, arena, offset, (req.bytes, size), kept) {
-                Ok(view) => {
-                    add(&st.hits, 1);
-                    Planned::View(view, gap_slot(rec), a.step)
-                }
-                Err(e) => {
-                    if let Some(gaps) = &mut plan.gaps {
-                        gaps.give_back(rec, size);
-                    }
-                    Planned::Failed(e)
-                }
-            },
-        )
+        Some(self.handed(st, i, req, (rec, offset), size))
+    }
+
+    /// Allocation `rec` of `size` aligned bytes, which device `i`'s plan serves apart in a step
+    /// that follows it (a position grown, or one over pinned bytes): a view of the block's
+    /// tail, its bytes past the plan's footprint, if they hold it (`None`: no tail, it is full,
+    /// or the step is larger in all so far). The tail is a block kept for a larger plan than the
+    /// current one (a larger batch's, or another kind of step's), held whether used or not:
+    /// what it holds takes no device allocation and no more memory.
+    fn tail_view(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        rec: u32,
+        size: usize,
+    ) -> Option<Planned> {
+        let a = &mut self.arenas.devices[i];
+        let plan = a.plan.as_mut()?;
+        if plan.layout.larger(&a.record) {
+            // A larger step (a longer sequence, a larger batch) may outgrow the block, which
+            // must then be free to go back: its arrays go apart.
+            return None;
+        }
+        let offset = match plan.tail_offset(rec, size) {
+            Ok(offset) => offset?,
+            Err(e) => return Some(Planned::Failed(e)),
+        };
+        Some(self.handed(st, i, req, (rec, offset), size))
+    }
+
+    /// A view at `offset` of device `i`'s plan's block, which its gaps or its tail handed out
+    /// for allocation `rec` of `size` aligned bytes: a hit.
+    fn handed(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        (rec, offset): (u32, usize),
+        size: usize,
+    ) -> Planned {
+        let a = &mut self.arenas.devices[i];
+        let Some(plan) = &mut a.plan else {
+            unreachable!("handed out by a plan's block")
+        };
+        let Some(arena) = plan.block else {
+            unreachable!("handed out by a plan's block")
+        };
+        match plan.handed_view(st, a.gauge, arena, (rec, offset), (req.bytes, size)) {
+            Ok(view) => {
+                add(&st.hits, 1);
+                Planned::View(view, gap_slot(rec), a.step)
+            }
+            Err(e) => Planned::Failed(e),
+        }
     }
 
     /// The hit path of a planned cache: the next position of the plan, when it is the plain
@@ -2248,8 +2395,7 @@ impl CacheState {
                         let rec = pos - GAP_BASE;
                         if tainted {
                             plan.tainted = true;
-                        } else if let Some(offset) =
-                            plan.gaps.as_mut().and_then(|g| g.give_back(rec, size))
+                        } else if let Some(offset) = plan.give_back(rec, size)
                             && let Some(view) = view.take()
                         {
                             plan.park(offset, view);

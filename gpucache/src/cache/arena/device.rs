@@ -29,6 +29,10 @@ pub(in crate::cache) struct Plan {
     pub(super) tainted: bool,
     /// The step left the plan: the block's free ranges, for the rest of the step.
     pub(super) gaps: Option<Gaps>,
+    /// The block's *tail*, while the step follows its plan: its bytes past the plan's footprint
+    /// (a block kept for a larger plan of the same scope), free but for pins, from which the
+    /// arrays the plan serves apart take their ranges (made at the first of them, this step).
+    pub(super) tail: Option<Gaps>,
     /// Per position, the view its last array dropped, kept for the next array there (a cudarc
     /// view is a `CudaSlice` with events of its own: made once, not every step). Views of the
     /// block, but no array's: not counted as alive. A view spans from its offset to the end of

@@ -10,6 +10,11 @@
 //! does not fit is allocated from the device. The step is planned again at its end, and the gaps
 //! go with the old plan.
 //!
+//! The same structure serves a step that follows its plan from the block's *tail* (its bytes
+//! past the plan's footprint, less the pins: see `Plan::tail`), for arrays the plan serves
+//! apart; if the step then leaves its plan, the gaps are made with the tail's ranges taken, and
+//! take over the tail's record of them ([`Gaps::adopt`]).
+//!
 //! A range is handed out only from the gaps, and the gaps hold only bytes that no array uses:
 //! those free at the divergence, and those of arrays dropped since on the owner thread, not used
 //! on another stream (an array dropped on another thread, or used on another stream, keeps its
@@ -71,6 +76,14 @@ impl Gaps {
         let (_, offset) = self.taken.remove(i);
         self.free.free_range(offset..offset + size);
         Some(offset)
+    }
+
+    /// Takes over the ranges `earlier` handed out (the block's tail, while the step followed its
+    /// plan: their allocations all came before any of these gaps'), which must be among the
+    /// ranges these gaps were made with taken.
+    pub(super) fn adopt(&mut self, earlier: Gaps) {
+        debug_assert!(self.taken.is_empty());
+        self.taken = earlier.taken;
     }
 
     /// The ranges handed out and not given back: the allocation (its index in the step's

@@ -669,6 +669,14 @@ impl Layout {
         })
     }
 
+    /// Whether the step recorded so far as `record` asked for more bytes in all than the plan's
+    /// positions it was matched with hold, matched position by position (see
+    /// [`Layout::outgrown`]): a larger step, which may outgrow the block.
+    pub(super) fn larger(&self, record: &[Rec]) -> bool {
+        self.growth(record)
+            .is_some_and(|((asked, planned), _)| asked > planned)
+    }
+
     /// The bytes the step recorded so far as `record` asked for at the plan's placed positions
     /// and the bytes those positions hold, then the same for the largest of those positions,
     /// when the step was matched with the plan position by position, small arrays extra and

@@ -1318,18 +1318,23 @@ fn large_step(name: &str) -> usize {
     sequence(name, &[262144])[0]
 }
 
-#[test]
-fn a_position_grown_past_a_smaller_plan_is_served_from_the_blocks_tail() {
-    let _serial = serial();
-    let name = "planned-tail";
-    let (backend, _installed) = planned(name, None);
-    // The large kind's plan makes the block; the small kind's plan shares it, its bytes past
-    // the small plan's footprint (the tail) unused.
+/// Two large steps, whose plan makes the block, then three small ones, whose plan shares it,
+/// its bytes past the small plan's footprint (the tail) unused. Returns the block's address.
+fn large_then_small(name: &str) -> usize {
     large_step(name);
     let block = large_step(name);
     for _ in 0..3 {
         small_step(name, 2048, 256, false);
     }
+    block
+}
+
+#[test]
+fn a_position_grown_past_a_smaller_plan_is_served_from_the_blocks_tail() {
+    let _serial = serial();
+    let name = "planned-tail";
+    let (backend, _installed) = planned(name, None);
+    let block = large_then_small(name);
     let (allocs, held) = (backend.allocs(), backend.outstanding_bytes());
     // The second position grows (within the grown arrays' budget, the step smaller in all):
     // it is served apart, the step staying on its plan, from the tail, with no allocation.
@@ -1352,11 +1357,7 @@ fn an_array_from_the_blocks_tail_kept_past_its_step_is_never_overwritten() {
     let _serial = serial();
     let name = "planned-tail-kept";
     let (backend, _installed) = planned(name, None);
-    large_step(name);
-    let block = large_step(name);
-    for _ in 0..3 {
-        small_step(name, 2048, 256, false);
-    }
+    let block = large_then_small(name);
     let (_, kept) = small_step(name, 1536, 512, true);
     let kept = kept.expect("kept");
     let inside = block..block + 262144;

@@ -40,20 +40,22 @@
 //! A position larger than planned does not always make the step leave its plan: while the
 //! arrays that outgrew their positions this step stay within a [`GROWN_BUDGET`]th of the
 //! footprint, each goes apart on its own and the step stays on the plan, which is made again at
-//! its end. Apart is the block's *tail* when it holds the array (the bytes past the plan's
-//! footprint in a block kept for a larger plan, less the pins; [`Plan::tail`]), else a solo
-//! block; so is a position over pinned bytes ([`Serve::Blocked`]). The tail costs no memory (the
-//! block is held anyway) and no device allocation. It serves nothing in a step larger in all
-//! than its positions so far ([`Layout::larger`]): such a step may outgrow the block, which must
-//! then be free to go back. A tail array alive at the step's end has the step planned again, to
-//! be pinned; one alive when the step leaves its plan is the gaps' from then on. Not one of at least a [`GROWN_SHARE`]th of the footprint that,
-//! apart, would take the cache past the most it has held (a larger batch's input): the step
-//! leaves its plan at once, to be served from the plan scaled as it grew, the array included;
-//! nor, once the arrays grown this step pass that share together, while the plan's block is
-//! unused and the plan can be scaled (a longer sequence, grown everywhere in small arrays). A
-//! position that grew by at most a thirty-second since the last plan is planned with room for
-//! 32 more such steps (at most an eighth more): a decoder's attention over the tokens so far
-//! grows every step, and would otherwise outgrow every plan.
+//! its end. Not one of at least a [`GROWN_SHARE`]th of the footprint that, apart, would take the
+//! cache past the most it has held (a larger batch's input): the step leaves its plan at once, to
+//! be served from the plan scaled as it grew, the array included; nor, once the arrays grown this
+//! step pass that share together, while the plan's block is unused and the plan can be scaled (a
+//! longer sequence, grown everywhere in small arrays). A position that grew by at most a
+//! thirty-second since the last plan is planned with room for 32 more such steps (at most an
+//! eighth more): a decoder's attention over the tokens so far grows every step, and would
+//! otherwise outgrow every plan.
+//!
+//! Apart is the block's *tail* when it holds the array (the bytes past the plan's footprint in a
+//! block kept for a larger plan, less the pins; [`Plan::tail`]), else a solo block; so for a
+//! position over pinned bytes ([`Serve::Blocked`]). The tail costs no memory (the block is held
+//! anyway) and no device allocation. It serves nothing in a step larger in all than its
+//! positions so far ([`Layout::larger`]): such a step may outgrow the block, which must then be
+//! free to go back. A tail array alive at the step's end has the step planned again, to be
+//! pinned; one alive when the step leaves its plan is the gaps' from then on.
 //!
 //! A step's small arrays ([`layout::SMALL`]: a scalar, a few indices) come and go where its
 //! larger ones do not (cuDNN's empty workspaces, with the batch): one more or one fewer would

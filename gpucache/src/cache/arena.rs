@@ -882,7 +882,8 @@ fn view_slot(pos: u32) -> u32 {
     VIEW_BASE + pos.min(NO_POSITION)
 }
 
-/// The `slot` of the home of an array served from a gap, allocation `rec` of its step.
+/// The `slot` of the home of an array served from a gap or the tail, allocation `rec` of its
+/// step.
 #[inline]
 fn gap_slot(rec: u32) -> u32 {
     VIEW_BASE + GAP_BASE + rec
@@ -1434,8 +1435,8 @@ impl DeviceArena {
         }
         let handed = plan.handed_out();
         let positions = plan.layout.alive_at_end()?;
-        // Every view alive is a pin, a position or a range handed out from the gaps (each may
-        // count one dropped on another thread: then the numbers differ).
+        // Every view alive is a pin, a position or a range handed out from the gaps or the tail
+        // (each may count one dropped on another thread: then the numbers differ).
         if handed.len() + positions.len() + plan.pins.len() != views {
             return None;
         }
@@ -2391,9 +2392,9 @@ impl CacheState {
                         }
                         NONE
                     } else if pos >= GAP_BASE {
-                        // Served from a gap: its range is free again (unless another stream
-                        // may still use it: then it stays taken through the step), and its view
-                        // idle there.
+                        // Served from a gap or the tail: its range is free again (unless another
+                        // stream may still use it: then it stays taken through the step), and its
+                        // view idle there.
                         let rec = pos - GAP_BASE;
                         if tainted {
                             plan.tainted = true;

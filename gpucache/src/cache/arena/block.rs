@@ -22,8 +22,9 @@ pub(in crate::cache) const VIEW_BASE: u32 = 1 << 31;
 pub(in crate::cache) const NO_POSITION: u32 = (1 << 31) - 3;
 
 /// An array served from a gap of its plan's block (a step that left its plan, see the `gaps`
-/// module) has a `slot` of `VIEW_BASE + GAP_BASE` plus the index of its allocation in the step's
-/// record (below the most a step records, `1 << 20`).
+/// module), or from its tail (a step that follows it), has a `slot` of `VIEW_BASE + GAP_BASE`
+/// plus the index of its allocation in the step's record (below the most a step records,
+/// `1 << 20`).
 pub(in crate::cache) const GAP_BASE: u32 = 1 << 30;
 const _: () = assert!(GAP_BASE + (1 << 20) < NO_POSITION);
 

@@ -26,6 +26,13 @@
 //! for a plan of a GPT-2 training step). A best-fit plan within a 32nd of the step's peak live
 //! bytes is kept without trying first fit, which could save at most that.
 //!
+//! In a dense step the smallest arrays, whose bytes together are at most a 1024th of the peak
+//! live bytes, are not placed among the rest but *stacked* on top of them, each at bytes of its
+//! own (at least 64 of them; a training step has hundreds: biases, norms' statistics and their
+//! gradients, scalars). The rest is placed without them, in about the square of its number
+//! (0.39x-0.89x of the time on the training steps recorded), and the plan holds at most a 1024th
+//! more.
+//!
 //! The module is public so that tools can plan logs the way the cache does (the replay example
 //! prints what plans would hold on a PyTorch model's log).
 //!
@@ -136,7 +143,9 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 
 /// [`greedy_by_size`] in a block whose byte ranges `taken` are in use throughout the step (arrays
 /// of an earlier step still alive there): no array is placed over them. The footprint is the
-/// end of the highest array placed, whatever the ranges taken (the block must hold it).
+/// end of the highest array placed, whatever the ranges taken (the block must hold it). A dense
+/// step's smallest arrays are stacked on top of the rest (see the module docs), above any range
+/// taken there.
 ///
 /// ```
 /// use gpucache::planner::{Lifetime, greedy_by_size_around};
@@ -150,9 +159,95 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 /// assert_eq!(plan.footprint, 1024);
 /// ```
 pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan {
-    let by_size = size_order(lives);
     let overlaps = Overlaps::of(lives);
     let live = peak_live(lives);
+    let within = live + live / FIRST_FIT_WITHIN;
+    let small = match overlaps {
+        Overlaps::Scan => stacked(lives, live),
+        Overlaps::Listed { .. } => Vec::new(),
+    };
+    let bytes: usize = small.iter().map(|&i| lives[i].bytes).sum();
+    if small.len() < MIN_STACKED || bytes == 0 {
+        return plan_around(lives, &overlaps, taken, within);
+    }
+    let mut is_small = vec![false; lives.len()];
+    small.iter().for_each(|&i| is_small[i] = true);
+    let (index, rest): (Vec<usize>, Vec<Lifetime>) = lives
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| !is_small[i])
+        .map(|(i, l)| (i, *l))
+        .unzip();
+    // Kept at the first try when the whole plan, the stack on top, would be.
+    let placed = plan_around(
+        &rest,
+        &Overlaps::of(&rest),
+        taken,
+        within.saturating_sub(bytes),
+    );
+    let mut offsets = vec![0; lives.len()];
+    for (&i, &at) in index.iter().zip(&placed.offsets) {
+        offsets[i] = at;
+    }
+    // The stack goes on top of the rest, above any range taken that it would meet (in order of
+    // their starts, one pass finds the lowest place: the stack only moves up past a range).
+    let mut at = placed.footprint;
+    let mut taken: Vec<&Range<usize>> = taken.iter().collect();
+    taken.sort_unstable_by_key(|r| r.start);
+    for r in taken {
+        if r.start < at + bytes && at < r.end {
+            at = r.end;
+        }
+    }
+    let footprint = at + bytes;
+    for &i in &small {
+        offsets[i] = at;
+        at += lives[i].bytes;
+    }
+    Plan { offsets, footprint }
+}
+
+/// A dense step's smallest arrays, whose bytes together are at most this fraction of its peak
+/// live bytes, are stacked rather than placed (see [`stacked`]).
+const STACKED_SHARE: usize = 1024;
+
+/// Fewer small arrays than this are placed with the rest.
+const MIN_STACKED: usize = 64;
+
+/// The indices of the smallest arrays of `lives`, in order, whose bytes together are at most a
+/// [`STACKED_SHARE`]th of `live` (the peak live bytes). In a dense step they are *stacked*: each
+/// at bytes of its own, in one range on top of the other arrays, which are placed without them.
+/// A dense step's plan costs about the square of its arrays (each meets about half the others
+/// in time), and a third to a half of a training step's arrays are a few kilobytes (biases,
+/// norms' statistics and their gradients, scalars: a thousandth of its bytes or less). Stacked,
+/// they cost at most a [`STACKED_SHARE`]th of the peak live bytes, and the plans of the
+/// training steps recorded take 0.39x-0.89x of the time.
+fn stacked(lives: &[Lifetime], live: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..lives.len()).collect();
+    order.sort_unstable_by_key(|&i| (lives[i].bytes, i));
+    let budget = live / STACKED_SHARE;
+    let mut sum = 0usize;
+    let n = order
+        .iter()
+        .take_while(|&&i| {
+            sum = sum.saturating_add(lives[i].bytes);
+            sum <= budget
+        })
+        .count();
+    order.truncate(n);
+    order.sort_unstable();
+    order
+}
+
+/// [`greedy_by_size_around`] with every array placed: the first plan of a footprint at most
+/// `within` is kept without other tries.
+fn plan_around(
+    lives: &[Lifetime],
+    overlaps: &Overlaps,
+    taken: &[Range<usize>],
+    within: usize,
+) -> Plan {
+    let by_size = size_order(lives);
     // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%), and
     // largest first is not always the better order either: placed as they were allocated,
     // Swin-T's steps take their peak live bytes, where largest first took 1.113 times them.
@@ -160,17 +255,17 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
     // steps keep their feature maps through both heads, and those orders hold 1.14x-1.29x of
     // their peak live bytes (largest first 1.28x-1.29x), where by weight they hold 1.03x.
     let other_tries: [&dyn Fn() -> Plan; 3] = [
-        &|| place(lives, &by_size, &overlaps, false, taken),
-        &|| place(lives, &weight_order(lives), &overlaps, true, taken),
+        &|| place(lives, &by_size, overlaps, false, taken),
+        &|| place(lives, &weight_order(lives), overlaps, true, taken),
         &|| {
             let mut in_order: Vec<usize> = (0..lives.len()).collect();
             in_order.sort_by_key(|&i| (lives[i].start, i));
-            place(lives, &in_order, &overlaps, true, taken)
+            place(lives, &in_order, overlaps, true, taken)
         },
     ];
-    let mut best = place(lives, &by_size, &overlaps, true, taken);
+    let mut best = place(lives, &by_size, overlaps, true, taken);
     for other in other_tries {
-        if best.footprint <= live + live / FIRST_FIT_WITHIN {
+        if best.footprint <= within {
             // At the lower bound, or so near it that another plan could save little: kept.
             break;
         }
@@ -601,5 +696,100 @@ mod tests {
             moved += usize::from(plan != greedy_by_size(&lives));
         }
         assert!(moved > 100, "the ranges taken moved arrays ({moved})");
+    }
+
+    /// A dense step (most arrays meet most others: a training step's activations), its arrays
+    /// of a mebibyte or two but `small` of them of one [`ALIGN`] each, spread through it.
+    fn dense_lives(rng: &mut fastrand::Rng, n: usize, small: usize) -> Vec<Lifetime> {
+        // Every `stride`-th array, the first `small` of them.
+        let stride = n / small.max(1);
+        (0..n)
+            .map(|i| {
+                let start = i as u32;
+                let end = start + 1 + rng.u32(n as u32 / 2..n as u32);
+                let bytes = if small > 0 && i % stride == 0 && i / stride < small {
+                    ALIGN
+                } else {
+                    rng.usize(4..8) << 18
+                };
+                Lifetime { bytes, start, end }
+            })
+            .collect()
+    }
+
+    /// Whether `plan` keeps every two arrays alive together apart, and every array clear of
+    /// the ranges `taken`.
+    fn holds(lives: &[Lifetime], plan: &Plan, taken: &[Range<usize>]) -> bool {
+        let range = |i: usize| plan.offsets[i]..plan.offsets[i] + lives[i].bytes;
+        let apart = |a: &Range<usize>, b: &Range<usize>| a.end <= b.start || b.end <= a.start;
+        (0..lives.len()).all(|i| {
+            lives[i].bytes == 0
+                || (plan.offsets[i] + lives[i].bytes <= plan.footprint
+                    && taken.iter().all(|t| apart(&range(i), t))
+                    && (i + 1..lives.len()).all(|j| {
+                        lives[j].bytes == 0
+                            || !lives[i].overlaps(&lives[j])
+                            || apart(&range(i), &range(j))
+                    }))
+        })
+    }
+
+    #[test]
+    fn a_dense_steps_smallest_arrays_are_stacked_on_top_of_the_rest() {
+        let mut rng = fastrand::Rng::with_seed(3);
+        let lives = dense_lives(&mut rng, 300, 100);
+        assert!(matches!(Overlaps::of(&lives), Overlaps::Scan), "dense");
+        let small: Vec<usize> = (0..lives.len())
+            .filter(|&i| lives[i].bytes == ALIGN)
+            .collect();
+        assert_eq!(small.len(), 100);
+        assert_eq!(stacked(&lives, peak_live(&lives)), small);
+        let plan = greedy_by_size(&lives);
+        assert!(holds(&lives, &plan, &[]));
+        // On top of the rest, one after another, in the order of the step.
+        let top = (0..lives.len())
+            .filter(|&i| lives[i].bytes > ALIGN)
+            .map(|i| plan.offsets[i] + lives[i].bytes)
+            .max()
+            .unwrap();
+        let at: Vec<usize> = small.iter().map(|&i| plan.offsets[i]).collect();
+        let stack: Vec<usize> = (0..small.len()).map(|k| top + k * ALIGN).collect();
+        assert_eq!(at, stack);
+        assert_eq!(plan.footprint, top + small.len() * ALIGN);
+        // The rest is planned as it would be alone.
+        let rest: Vec<Lifetime> = lives.iter().filter(|l| l.bytes > ALIGN).copied().collect();
+        assert_eq!(greedy_by_size(&rest).footprint, top);
+        // Too few small arrays are placed with the rest (their stack is not worth it).
+        let few = dense_lives(&mut rng, 300, MIN_STACKED - 1);
+        let plan = greedy_by_size(&few);
+        let overlaps = Overlaps::of(&few);
+        let within = peak_live(&few) + peak_live(&few) / FIRST_FIT_WITHIN;
+        assert_eq!(plan, plan_around(&few, &overlaps, &[], within));
+    }
+
+    #[test]
+    fn a_stack_goes_above_the_ranges_taken_it_would_meet() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        let mut stacks = 0;
+        for case in 0..40 {
+            let n = rng.usize(200..320);
+            let small = rng.usize(40..120);
+            let lives = dense_lives(&mut rng, n, small);
+            // Ranges taken anywhere, and one where the stack would begin without it.
+            let mut taken: Vec<Range<usize>> = (0..rng.usize(0..3))
+                .map(|_| {
+                    let at = rng.usize(0..1 << 12) * ALIGN;
+                    at..at + rng.usize(1..64) * ALIGN
+                })
+                .collect();
+            let first = lives.iter().position(|l| l.bytes == ALIGN).unwrap();
+            let at = greedy_by_size_around(&lives, &taken).offsets[first];
+            taken.push(at..at + rng.usize(1..8) * ALIGN);
+            let plan = greedy_by_size_around(&lives, &taken);
+            assert!(holds(&lives, &plan, &taken), "case {case}: {taken:?}");
+            assert!(plan.footprint >= peak_live(&lives));
+            stacks += usize::from(stacked(&lives, peak_live(&lives)).len() >= MIN_STACKED);
+        }
+        assert!(stacks > 20, "stacked in {stacks} cases");
     }
 }

@@ -178,9 +178,8 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
         .filter(|&(i, _)| !is_small[i])
         .map(|(i, l)| (i, *l))
         .unzip();
-    // Kept at the first try when the whole plan, the stack on top, would be.
-    // Without its smallest arrays a dense step is still dense: its overlaps are not listed
-    // (the same plan either way).
+    // The rest of a dense step is dense too: it scans (the same plan as listed). Its first try
+    // is kept when the whole plan, the stack on top, would be.
     let placed = plan_around(&rest, &Overlaps::Scan, taken, within.saturating_sub(bytes));
     let mut offsets = vec![0; lives.len()];
     for (&i, &at) in index.iter().zip(&placed.offsets) {
@@ -336,12 +335,12 @@ impl Overlaps {
         if lives.len() > u32::MAX as usize || lives.iter().any(|l| l.end <= l.start) {
             return Overlaps::Scan;
         }
-        let mut by_start: Vec<u32> = (0..lives.len() as u32).collect();
-        by_start.sort_by_key(|&i| lives[i as usize].start);
         if pairs_about(lives).is_some_and(|pairs| pairs > most) {
             // A dense step, told without listing its pairs until there are too many.
             return Overlaps::Scan;
         }
+        let mut by_start: Vec<u32> = (0..lives.len() as u32).collect();
+        by_start.sort_by_key(|&i| lives[i as usize].start);
         // Each pair once, as (later start, earlier start).
         let mut pairs: Vec<(u32, u32)> = Vec::new();
         let mut alive: Vec<u32> = Vec::new();
@@ -420,7 +419,7 @@ fn pairs_about(lives: &[Lifetime]) -> Option<usize> {
     Some(
         lives
             .iter()
-            .map(|l| net[l.start as usize] as usize - 1)
+            .map(|l| (net[l.start as usize] as usize).saturating_sub(1))
             .sum(),
     )
 }

@@ -1,7 +1,8 @@
 //! Planned caches (`KeyPolicy::Planned`) on the CPU backend: the first step allocates each array
 //! apart and is recorded; later steps are served from one block laid out from the recorded
 //! lifetimes, at the same addresses, with no device allocation; smaller steps fit, larger ones
-//! re-plan; arrays kept alive past their planned end or past their step are never overwritten;
+//! re-plan; arrays kept alive past their planned end or past their step are never overwritten
+//! (a dense step's smallest arrays, stacked on top of its plan, included);
 //! drops on other threads, the byte cap, invalidation, `empty_cache`, out-of-memory recovery and
 //! thread exit give every byte back. On a backend that grows blocks in place (as CUDA's does),
 //! a larger step grows the plan's block instead of replacing it, a block given up at a step's
@@ -1391,4 +1392,49 @@ fn an_array_from_the_blocks_tail_kept_past_its_step_is_never_overwritten() {
         "no device allocation once settled"
     );
     assert!(backend.outstanding_bytes() < 2 * 262144, "one block");
+}
+
+/// A dense step (every array alive through most of it, as a training step's activations and
+/// gradients): 120 activations of 256 KiB kept to its end, a temporary of the same size made and
+/// dropped beside each, and 120 arrays of 256 bytes kept too (a bias's gradient). Each array
+/// holds its own value; all are checked at the step's end.
+fn dense_step(name: &str) {
+    let _scope = gpucache::enter(name);
+    let mut big = Vec::new();
+    let mut small = Vec::new();
+    for i in 0..120u16 {
+        big.push(filled(DEV, f32::from(i), [65536]));
+        let temporary = filled(DEV, -1.0f32, [65536]);
+        assert!(common::all_eq(&temporary, -1.0));
+        drop(temporary);
+        small.push(filled(DEV, (i % 251) as u8, [256]));
+    }
+    for (i, (b, s)) in (0..120u16).zip(big.iter().zip(&small)) {
+        assert!(
+            common::all_eq(b, f32::from(i)),
+            "activation {i} overwritten"
+        );
+        assert!(
+            common::all_eq(s, (i % 251) as u8),
+            "small array {i} overwritten"
+        );
+    }
+}
+
+#[test]
+fn a_dense_steps_small_arrays_stacked_in_its_plan_keep_their_values() {
+    let _serial = serial();
+    let name = "planned-dense";
+    let (backend, _installed) = planned(name, None);
+    dense_step(name);
+    dense_step(name);
+    let allocs = backend.allocs();
+    // The step's peak: its activations, a temporary, and the small arrays (stacked on top:
+    // each its own bytes, as they are all alive together anyway).
+    let peak = 121 * (65536 * 4) + 120 * 256;
+    assert_eq!(backend.outstanding_bytes(), peak);
+    for _ in 0..3 {
+        dense_step(name);
+    }
+    assert_eq!(backend.allocs(), allocs, "served from the plan");
 }

@@ -30,7 +30,7 @@
 //! live bytes, are not placed among the rest but *stacked* on top of them, each at bytes of its
 //! own (at least 64 of them; a training step has hundreds: biases, norms' statistics and their
 //! gradients, scalars). The rest is placed without them, in about the square of its number
-//! (0.39x-0.89x of the time on the training steps recorded), and the plan holds at most a 1024th
+//! (0.39x-0.88x of the time on the training steps recorded), and the plan holds at most a 1024th
 //! more.
 //!
 //! The module is public so that tools can plan logs the way the cache does (the replay example
@@ -217,7 +217,7 @@ const MIN_STACKED: usize = 64;
 /// in time), and a third to a half of a training step's arrays are a few kilobytes (biases,
 /// norms' statistics and their gradients, scalars: a thousandth of its bytes or less). Stacked,
 /// they cost at most a [`STACKED_SHARE`]th of the peak live bytes, and the plans of the
-/// training steps recorded take 0.39x-0.89x of the time.
+/// training steps recorded take 0.39x-0.88x of the time.
 fn stacked(lives: &[Lifetime], live: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_unstable_by_key(|&i| (lives[i].bytes, i));

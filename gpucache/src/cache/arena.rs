@@ -889,6 +889,18 @@ fn gap_slot(rec: u32) -> u32 {
     VIEW_BASE + GAP_BASE + rec
 }
 
+/// What allocation `rec` of step `step` gets from a view the gaps or the tail handed out: a
+/// hit, with its home a gap slot.
+fn handed(st: &Counters, view: Result<Block>, rec: u32, step: u32) -> Planned {
+    match view {
+        Ok(view) => {
+            add(&st.hits, 1);
+            Planned::View(view, gap_slot(rec), step)
+        }
+        Err(e) => Planned::Failed(e),
+    }
+}
+
 impl DeviceArena {
     fn new(device: Device, gauge: GaugeIx, trace: Arc<CellName>) -> DeviceArena {
         DeviceArena {
@@ -1945,7 +1957,7 @@ impl CacheState {
     ) -> Option<Planned> {
         let a = &mut self.arenas.devices[i];
         let plan = a.plan.as_mut()?;
-        plan.block?;
+        let arena = plan.block?;
         let Some(offset) = plan.gaps.as_mut()?.take(rec, size) else {
             if a.keep_gaps || plan.block_in_use() || !a.may_scale() {
                 // The step outgrew its plan, or its arrays hold the block, or it cannot follow
@@ -1963,7 +1975,8 @@ impl CacheState {
             self.live += usize::from(a.release_unused_block(st));
             return None;
         };
-        Some(self.handed(st, i, req, (rec, offset), size))
+        let view = plan.handed_view(st, a.gauge, arena, (rec, offset), (req.bytes, size));
+        Some(handed(st, view, rec, a.step))
     }
 
     /// Allocation `rec` of `size` aligned bytes, which device `i`'s plan serves apart in a step
@@ -1987,37 +2000,13 @@ impl CacheState {
             // must then be free to go back: its arrays go apart.
             return None;
         }
+        let arena = plan.block?;
         let offset = match plan.tail_offset(rec, size) {
             Ok(offset) => offset?,
             Err(e) => return Some(Planned::Failed(e)),
         };
-        Some(self.handed(st, i, req, (rec, offset), size))
-    }
-
-    /// A view at `offset` of device `i`'s plan's block, which its gaps or its tail handed out
-    /// for allocation `rec` of `size` aligned bytes: a hit.
-    fn handed(
-        &mut self,
-        st: &Counters,
-        i: usize,
-        req: &Request<'_>,
-        (rec, offset): (u32, usize),
-        size: usize,
-    ) -> Planned {
-        let a = &mut self.arenas.devices[i];
-        let Some(plan) = &mut a.plan else {
-            unreachable!("handed out by a plan's block")
-        };
-        let Some(arena) = plan.block else {
-            unreachable!("handed out by a plan's block")
-        };
-        match plan.handed_view(st, a.gauge, arena, (rec, offset), (req.bytes, size)) {
-            Ok(view) => {
-                add(&st.hits, 1);
-                Planned::View(view, gap_slot(rec), a.step)
-            }
-            Err(e) => Planned::Failed(e),
-        }
+        let view = plan.handed_view(st, a.gauge, arena, (rec, offset), (req.bytes, size));
+        Some(handed(st, view, rec, a.step))
     }
 
     /// The hit path of a planned cache: the next position of the plan, when it is the plain

@@ -228,6 +228,43 @@ fn six_kinds_of_step_taking_turns_keep_a_plan_each() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// Kinds of step taking turns whose arrays come in other orders (a batch of another size, for
+/// which cuDNN picks other algorithms and makes its workspaces elsewhere), none much smaller
+/// than the others: each kind, once it came again, gets a plan of its own, where a plan merged
+/// from two kinds holds neither, and the steps then follow their plans, with no plan made and no
+/// device allocation. Before, a step that left the plan of a kind whose first allocation was
+/// larger was planned merged with it, or on its own with the other plan dropped: one of the
+/// three kinds here was planned again at every turn.
+#[test]
+fn kinds_of_step_in_other_orders_that_come_again_get_a_plan_each() {
+    let name = "unit-reordered-kinds";
+    let (backend, _installed, _serial) = planned(name);
+    // The same arrays after the first, every kind's but some small ones in between: a kind's
+    // later large arrays k positions after the first kind's, where the other kinds' plans
+    // have small ones.
+    let (large, small) = (32 << 10, 1 << 10);
+    let kind = |k: usize| -> Vec<usize> {
+        let body = [large, small, small];
+        std::iter::once((16 - 2 * k) << 10)
+            .chain(body)
+            .chain(std::iter::repeat_n(small, k))
+            .chain(body.repeat(3))
+            .chain(std::iter::repeat_n(small, 2 - k))
+            .collect()
+    };
+    for _ in 0..2 {
+        (0..3).for_each(|k| chain_step(name, &kind(k)));
+    }
+    let (made, allocs) = (plans(), backend.allocs());
+    for _ in 0..3 {
+        (0..3).for_each(|k| chain_step(name, &kind(k)));
+    }
+    assert_eq!(plans(), made, "each kind follows a plan of its own");
+    assert_eq!(backend.allocs(), allocs, "served from the plans' block");
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// Arrays that outlive their step (a model's inputs, kept into the next step) vary in size: a
 /// spare up to four times an array's size serves it while a new block would keep the cache
 /// within the most it has held, rather than a device allocation.

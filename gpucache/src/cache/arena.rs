@@ -69,7 +69,7 @@
 //! batches whose convolutions cuDNN runs with other algorithms. A step is of its plan's kind when
 //! it made as many arrays larger than small, but for a 64th, and as many allocations or a first
 //! allocation within a factor of two of the recorded step's first ([`Layout::same_kind`]); a step
-//! of another kind is planned apart from it, and the old plan goes on a *shelf* (eight at most, the
+//! of another kind is planned apart from it, and the old plan goes on a *shelf* (32 at most, the
 //! least recently used going first, but never the one of the largest footprint: a step larger than
 //! every shelved kind's first allocation is served by it, where a smaller plan would leave it to
 //! the gaps). The plans share the device's one block. At a step's first allocation, the plan whose
@@ -87,7 +87,13 @@
 //! alive at its end: a smaller batch of a CNN whose cuDNN workspaces come in another order, which
 //! the next step, another batch, would leave again; planning it cost a plan and a switch of plans
 //! every step. It is remembered, so that a kind that comes again soon (steps taking turns, a new
-//! batch size from now on) is planned.
+//! batch size from now on) is planned. A step of the plan's kind that left it by the order of
+//! its allocations (it did not outgrow it), with another first allocation, is planned merged
+//! with the plan the first time; when a step of the same sizes in the same order does so again,
+//! it is a kind of its own that comes again (a batch size of a CNN whose cuDNN workspaces come
+//! elsewhere): it gets a plan of its own, and the old plan is shelved
+//! ([`DeviceArena::recurs_reordered`]), so that once each batch size came twice, every step
+//! follows its own plan.
 //!
 //! Arrays that outlive their step (apart) are matched by position too. One apart in the
 //! recorded step and not near the request's size is skipped only when a later position is near
@@ -258,11 +264,15 @@ const MAX_SMALL_SPARES: usize = 64;
 /// not planned (a scope that never exits must not grow its record without bound).
 const MAX_POSITIONS: u32 = 1 << 20;
 
-/// The most plans of other kinds of step a device keeps besides its current one. Eight: with
-/// three, EfficientNet trained on a varying batch (cuDNN's algorithms, and with them the step's
+/// The most plans of other kinds of step a device keeps besides its current one. With three,
+/// EfficientNet trained on a varying batch (cuDNN's algorithms, and with them the step's
 /// structure, change with the batch) and replayed longer in shuffled orders held up to 1.719x of
-/// its peak live bytes, 1.533x with eight; a shelved plan is its layout, host memory only.
-const MAX_SHELVED: usize = 8;
+/// its peak live bytes, 1.533x with eight. Thirty-two since a kind of step that comes again in
+/// another order gets a plan of its own ([`DeviceArena::recurs_reordered`]): a CNN trained on
+/// batches of many sizes keeps a plan per size (MobileNetV3's twelve recorded steps replayed
+/// ten times longer, shuffled: 186 µs a step on the CPU with eight, 125 µs with sixteen or
+/// more). A shelved plan is its layout, host memory only (about 50 bytes a position).
+const MAX_SHELVED: usize = 32;
 
 /// The most arrays of a step that left its plan that may stay alive in the plan's block while
 /// the next plan keeps the block ([`DeviceArena::pins_for`]).
@@ -925,6 +935,7 @@ impl DeviceArena {
             high: 0,
             awaiting: None,
             unplanned: [0; device::UNPLANNED],
+            reordered: Vec::new(),
         }
     }
 
@@ -963,6 +974,45 @@ impl DeviceArena {
         self.unplanned.rotate_right(1);
         self.unplanned[0] = signature;
         true
+    }
+
+    /// Whether the step that just ended, of the kind of its plan `old`, is a kind of its own
+    /// that comes again: it left the plan by the order of its allocations (it did not outgrow
+    /// the plan, and was not served from it scaled), with another first allocation (another
+    /// batch or length, which [`DeviceArena::choose_plan`] tells apart), and a step of the same
+    /// sizes in the same order ([`layout::signature`]) did so before, among the last
+    /// [`device::REORDERED`] that did, or was left unplanned. Such a step gets a plan of its own,
+    /// and the old one is shelved, where merged with the old plan position by position it would
+    /// make the next step of either kind leave the plan again: cuDNN picks its algorithms, and
+    /// with them the step's workspaces, by the batch, so a CNN trained on batches of several
+    /// sizes made a plan at almost every step (EfficientNet's twelve recorded steps replayed ten
+    /// times longer in shuffled orders, on the CPU: 325 µs a step, 417 device allocations after
+    /// the second step, 1.053x of peak live; with a plan per batch size, every step on its own
+    /// plan once each size came twice: 163 µs, 358 allocations, all in the first passes, and
+    /// 1.026x). A step seen once is merged as before: the steps of a detector (as many proposals
+    /// as the image gives) do not come again, and their merged plans hold them best (Faster
+    /// R-CNN 1.431x -> 1.640x of peak live when every such step got a plan of its own).
+    fn recurs_reordered(&mut self, old: &Layout) -> bool {
+        let reordered = self.diverged
+            && !self.outgrew
+            && !self.scaled
+            && self
+                .record
+                .first()
+                .is_some_and(|r| r.bytes != old.first_size());
+        if !reordered {
+            return false;
+        }
+        let signature = layout::signature(&self.record);
+        if let Some(i) = self.reordered.iter().position(|&s| s == signature) {
+            self.reordered.remove(i);
+            return true;
+        }
+        if self.reordered.len() >= device::REORDERED {
+            self.reordered.pop();
+        }
+        self.reordered.insert(0, signature);
+        self.unplanned.contains(&signature)
     }
 
     /// A new block of `capacity` bytes for the cache, the plan's block (`plan`) or a solo one.
@@ -1543,9 +1593,9 @@ impl DeviceArena {
             retired += usize::from(self.drop_plan(st));
         } else if n > 0 && (self.diverged || self.replan || tail_alive || !followed) && !kept {
             let old = self.plan.take();
-            let same = old
-                .as_ref()
-                .is_none_or(|p| p.layout.same_kind(&self.record));
+            let same = old.as_ref().is_none_or(|p| {
+                p.layout.same_kind(&self.record) && !self.recurs_reordered(&p.layout)
+            });
             let merged = old.as_ref().filter(|_| same).map(|p| &p.layout);
             // Arrays still alive in the old plan's block, if it may keep them: the new plan is
             // placed around them, to keep the block.
@@ -2184,6 +2234,7 @@ impl CacheState {
             a.high = 0;
             a.awaiting = None;
             a.unplanned = [0; device::UNPLANNED];
+            a.reordered.clear();
         }
         self.live += retired;
     }

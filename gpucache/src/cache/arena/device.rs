@@ -157,10 +157,18 @@ pub(in crate::cache) struct DeviceArena {
     /// The [signatures](super::layout::signature) of the last steps that left their plan and
     /// were not planned again (see `DeviceArena::end_step`), the newest first.
     pub(super) unplanned: [u64; UNPLANNED],
+    /// The signatures of the last steps that left their plan by the order of their
+    /// allocations (see `DeviceArena::recurs_reordered`), the newest first, at most
+    /// [`REORDERED`].
+    pub(super) reordered: Vec<u64>,
 }
 
 /// How many steps that left their plan unplanned a device remembers.
 pub(super) const UNPLANNED: usize = 4;
+
+/// How many steps that left their plan by the order of their allocations a device remembers:
+/// twice as many as it shelves plans.
+pub(super) const REORDERED: usize = 2 * super::MAX_SHELVED;
 
 // SAFETY: a `DeviceArena` is part of a cache's state, reached only by the holder of its lock (on
 // any thread); its `BlockPtr` stands for the cache's count of an `Arc<ArenaBlock>`, whose fields

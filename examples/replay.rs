@@ -18,7 +18,9 @@
 //! `--longer PASSES` replays each log's steps after the first that many more times, in
 //! shuffled orders ([`replay::reordered`]): a recording of ten steps shows a few batches or
 //! lengths in one order, a long run of the model brings every order. The figures are then the
-//! longer run's (its peak live bytes included).
+//! longer run's (its peak live bytes included). `--only NAMES` replays only the variants whose
+//! label contains one of the comma-separated names, and the baseline (`--only "planned
+//! (default)"`: gpucache's default against the pool).
 //!
 //! For each log it prints, per variant:
 //!
@@ -73,6 +75,16 @@ fn main() -> Result<()> {
         longer = Some(passes.ok_or("--longer takes a number of passes")?);
         args.drain(i..i + 2);
     }
+    // `--only NAMES`: only the variants whose label contains one of the comma-separated names
+    // (and the baseline).
+    let mut only = None;
+    if let Some(i) = args.iter().position(|a| a == "--only") {
+        let names = args
+            .get(i + 1)
+            .ok_or("--only takes comma-separated names")?;
+        only = Some(names.split(',').map(str::to_owned).collect::<Vec<_>>());
+        args.drain(i..i + 2);
+    }
     let mut rounds = 7usize;
     if let Some(n) = args.last().and_then(|a| a.parse().ok()) {
         rounds = n;
@@ -91,12 +103,18 @@ fn main() -> Result<()> {
         None => Device::Cpu,
     };
     if args.is_empty() {
-        return Err("usage: replay [--longer PASSES] LOG.csv[.gz]... [cpu|cuda] [ROUNDS]".into());
+        return Err(
+            "usage: replay [--longer PASSES] [--only NAMES] LOG.csv[.gz]... [cpu|cuda] [ROUNDS]"
+                .into(),
+        );
     }
     let rounds = rounds.max(1);
     let mut summary = Vec::new();
     for log in &args {
-        summary.push((log.clone(), report(log, dev, rounds, longer)?));
+        summary.push((
+            log.clone(),
+            report(log, dev, rounds, longer, only.as_deref())?,
+        ));
     }
     if args.len() > 1 {
         print_summary(&summary);
@@ -107,8 +125,9 @@ fn main() -> Result<()> {
 /// The seed of the orders `--longer` replays a log's steps in.
 const LONGER_SEED: u64 = 7;
 
-/// The variants replayed on `dev`; the last is the baseline of the time ratios.
-fn variants(dev: Device) -> Vec<Variant> {
+/// The variants replayed on `dev`; the last is the baseline of the time ratios. With `only`,
+/// those whose label contains one of its names, and the baseline.
+fn variants(dev: Device, only: Option<&[String]>) -> Vec<Variant> {
     let mut v: Vec<(String, Mode)> = CONFIGS
         .iter()
         .map(|(name, cfg)| (format!("gpucache {name}"), Mode::Configured(*cfg)))
@@ -130,6 +149,14 @@ fn variants(dev: Device) -> Vec<Variant> {
         ));
     } else {
         v.push(("bare (host allocator)".into(), Mode::Bare));
+    }
+    if let Some(only) = only {
+        let last = v.len() - 1;
+        let mut i = 0;
+        v.retain(|(label, _)| {
+            i += 1;
+            i - 1 == last || only.iter().any(|name| label.contains(name.as_str()))
+        });
     }
     v.into_iter()
         .map(|(label, mode)| Variant {
@@ -156,7 +183,13 @@ struct Row {
 /// What one log's report found: its peak live bytes, what plans would hold, the variants' rows.
 type Report = (usize, plan::Simulated, Vec<Row>);
 
-fn report(log: &str, dev: Device, rounds: usize, longer: Option<usize>) -> Result<Report> {
+fn report(
+    log: &str,
+    dev: Device,
+    rounds: usize,
+    longer: Option<usize>,
+    only: Option<&[String]>,
+) -> Result<Report> {
     let mut ops = replay::read(&PathBuf::from(log))?;
     if let Some(passes) = longer {
         println!(
@@ -191,7 +224,7 @@ fn report(log: &str, dev: Device, rounds: usize, longer: Option<usize>) -> Resul
             "(on the CPU there is no memory pool: the pool rows are absent, bare is the baseline)"
         );
     }
-    let mut variants = variants(dev);
+    let mut variants = variants(dev, only);
     let n = variants.len();
     // Round 0 follows gpucache's peak and checks its arrays' memory; the timed rounds after it
     // do neither.

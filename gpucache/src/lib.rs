@@ -200,13 +200,16 @@
 //!   for the position after it, so that the next steps' temporaries of the same sizes are
 //!   planned, not served apart one by one.
 //! * **Several kinds of step** in one scope (a server's prompt steps and decoding steps) keep a
-//!   plan each, up to nine, sharing the block: a step's first allocation picks the plan made for
+//!   plan each, up to 33, sharing the block: a step's first allocation picks the plan made for
 //!   steps like it. Steps whose counts of larger arrays differ (a CNN whose convolutions cuDNN runs
-//!   with other algorithms at another batch size) are of different kinds. A step that follows its
-//!   plan and ends early (evaluation after training, both beginning with the same forward pass) is
-//!   served by that plan. A step much smaller than its plan that leaves it (a smaller batch in
-//!   another order) and is unlike the last few is served from the plan's block and not planned; a
-//!   kind that comes again soon is.
+//!   with other algorithms at another batch size) are of different kinds, and so are steps that
+//!   leave a plan by the order of their allocations, with another first allocation, once such a
+//!   step comes again with the same sizes in the same order (a CNN trained on batches of several
+//!   sizes: a plan per size, rather than one merged plan that the next batch leaves). A step
+//!   that follows its plan and ends early (evaluation after training, both beginning with the
+//!   same forward pass) is served by that plan. A step much smaller than its plan that leaves it
+//!   (a smaller batch in another order) and is unlike the last few is served from the plan's
+//!   block and not planned; a kind that comes again soon is.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
 //!   apart, each from a block of its own rounded up to its size class; when one drops after its
 //!   step, its block is kept as a spare for the next such array it fits (up to four times as

@@ -2,7 +2,7 @@
 //! make.
 
 use crate::backend::VIEWS_MADE;
-use crate::cache::PLANS_MADE;
+use crate::cache::{MAX_SHELVED_POSITIONS, PLANS_MADE, SHELVED_MOST};
 use std::sync::Arc;
 
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
@@ -261,6 +261,38 @@ fn kinds_of_step_in_other_orders_that_come_again_get_a_plan_each() {
     }
     assert_eq!(plans(), made, "each kind follows a plan of its own");
     assert_eq!(backend.allocs(), allocs, "served from the plans' block");
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// The shelf of plans is bounded in positions as well as in plans: four kinds of long steps
+/// taking turns (1400 to 1700 allocations each, in unit tests a bound of 4096 positions) keep
+/// no more of them shelved than the bound allows, the least recently used going, and their
+/// arrays keep their values (each checked as it drops) and the memory goes back.
+#[test]
+fn the_shelf_holds_no_more_positions_than_its_bound() {
+    let name = "unit-shelf-positions";
+    let (backend, _installed, _serial) = planned(name);
+    let kind = |k: usize| -> Vec<usize> {
+        (0..1400 + 100 * k)
+            .map(|i| match i {
+                0 => 256 << (2 * k),
+                1 => 1 << 18,
+                _ => 256,
+            })
+            .collect()
+    };
+    SHELVED_MOST.with(|most| most.set(0));
+    for _ in 0..3 {
+        (0..4).for_each(|k| chain_step(name, &kind(k)));
+    }
+    let most = SHELVED_MOST.with(std::cell::Cell::get);
+    // Three kinds shelved would be 4500 positions or more: at most two were.
+    assert!(most >= 2800, "plans were shelved: {most} positions at most");
+    assert!(
+        most <= MAX_SHELVED_POSITIONS,
+        "{most} positions shelved, more than {MAX_SHELVED_POSITIONS}"
+    );
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }

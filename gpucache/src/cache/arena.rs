@@ -271,8 +271,13 @@ const MAX_POSITIONS: u32 = 1 << 20;
 /// another order gets a plan of its own ([`DeviceArena::recurs_reordered`]): a CNN trained on
 /// batches of many sizes keeps a plan per size (MobileNetV3's twelve recorded steps replayed
 /// ten times longer, shuffled: 186 µs a step on the CPU with eight, 125 µs with sixteen or
-/// more). A shelved plan is its layout, host memory only (about 50 bytes a position).
+/// more). A shelved plan is its layout, host memory only (see [`MAX_SHELVED_POSITIONS`]).
 const MAX_SHELVED: usize = 32;
+
+/// The most positions a device's shelved plans hold together (besides the one shelved last):
+/// about 40 bytes of host memory each, 40 MiB in all, however long the steps. (In unit tests,
+/// 4096, so that a few steps reach it.)
+pub(crate) const MAX_SHELVED_POSITIONS: usize = if cfg!(test) { 1 << 12 } else { 1 << 20 };
 
 /// The most arrays of a step that left its plan that may stay alive in the plan's block while
 /// the next plan keeps the block ([`DeviceArena::pins_for`]).
@@ -305,6 +310,8 @@ const MAX_PIN_AGE: u32 = 1 << 24;
 thread_local! {
     /// The plans made from a step's record at its end on this thread (unit tests count them).
     pub(crate) static PLANS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The most positions a device's shelf held on this thread, just after a plan was shelved.
+    pub(crate) static SHELVED_MOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 impl Pin {
@@ -1164,10 +1171,14 @@ impl DeviceArena {
     }
 
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
-    /// least recently used shelved plan goes when the shelf is full).
+    /// least recently used shelved plans go while the shelf is full: [`MAX_SHELVED`] plans, or
+    /// [`MAX_SHELVED_POSITIONS`] positions with `layout`'s).
     fn shelve(&mut self, layout: Layout) {
         debug_assert!(!layout.one_step(), "a layout for one step shelved");
-        if self.shelf.len() >= MAX_SHELVED {
+        let mut positions: usize = self.shelf.iter().map(|s| s.layout.len()).sum();
+        while self.shelf.len() >= MAX_SHELVED
+            || !self.shelf.is_empty() && positions + layout.len() > MAX_SHELVED_POSITIONS
+        {
             // The least recently used goes, but never the plan of the largest footprint (unless
             // `layout` is larger): a step of a kind no shelved plan fits (a larger batch than
             // any of theirs) is served by it, where a smaller plan would leave the step to its
@@ -1175,15 +1186,21 @@ impl DeviceArena {
             let largest = (0..self.shelf.len())
                 .max_by_key(|&i| self.shelf[i].layout.footprint)
                 .filter(|&i| self.shelf[i].layout.footprint > layout.footprint);
-            if let Some(i) = (0..self.shelf.len())
+            let Some(i) = (0..self.shelf.len())
                 .filter(|&i| Some(i) != largest)
                 .min_by_key(|&i| self.shelf[i].used)
-            {
-                self.shelf.swap_remove(i);
-            }
+            else {
+                break;
+            };
+            positions -= self.shelf.swap_remove(i).layout.len();
         }
         let used = self.step;
         self.shelf.push(Shelved { layout, used });
+        #[cfg(test)]
+        SHELVED_MOST.with(|most| {
+            let now = self.shelf.iter().map(|s| s.layout.len()).sum();
+            most.set(most.get().max(now));
+        });
     }
 
     /// The first allocation of a step, of `size` aligned bytes, picks the plan to follow: of

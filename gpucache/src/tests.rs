@@ -232,9 +232,9 @@ fn six_kinds_of_step_taking_turns_keep_a_plan_each() {
 /// which cuDNN picks other algorithms and makes its workspaces elsewhere), none much smaller
 /// than the others: each kind, once it came again, gets a plan of its own, where a plan merged
 /// from two kinds holds neither, and the steps then follow their plans, with no plan made and no
-/// device allocation. Before, a step that left the plan of a kind whose first allocation was
-/// larger was planned merged with it, or on its own with the other plan dropped: one of the
-/// three kinds here was planned again at every turn.
+/// device allocation. Before, every step here left its plan and was planned again (merged with
+/// the plan it left, or on its own with that plan dropped), two in three with a device
+/// allocation.
 #[test]
 fn kinds_of_step_in_other_orders_that_come_again_get_a_plan_each() {
     let name = "unit-reordered-kinds";

@@ -150,6 +150,32 @@ fn chain_step(name: &str, lens: &[usize]) {
     chain(lens.iter().copied());
 }
 
+/// `rounds` rounds of `kinds` kinds of step of `name` taking turns, kind `k` a [`chain_step`] of
+/// `kind(k)`.
+fn take_turns(name: &str, kind: &impl Fn(usize) -> Vec<usize>, kinds: usize, rounds: usize) {
+    for _ in 0..rounds {
+        (0..kinds).for_each(|k| chain_step(name, &kind(k)));
+    }
+}
+
+/// [`take_turns`] for `warm` rounds, then for `later` rounds in which no plan is made and nothing
+/// is allocated from `backend` (each kind follows a plan); then every block goes back with
+/// `invalidate`.
+fn kinds_settle(
+    (name, backend): (&str, &CountingBackend),
+    kind: impl Fn(usize) -> Vec<usize>,
+    kinds: usize,
+    (warm, later): (usize, usize),
+) {
+    take_turns(name, &kind, kinds, warm);
+    let (made, allocs) = (plans(), backend.allocs());
+    take_turns(name, &kind, kinds, later);
+    assert_eq!(plans(), made, "every kind follows its plan");
+    assert_eq!(backend.allocs(), allocs, "served from the plans' block");
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A step much smaller than its plan that leaves it (its sizes in another order: a smaller
 /// batch whose workspaces come elsewhere) is served from the plan's block and not planned: a
 /// plan of its own would only make the next step, of another kind again, leave that one. A kind
@@ -215,17 +241,7 @@ fn six_kinds_of_step_taking_turns_keep_a_plan_each() {
             })
             .collect()
     };
-    for _ in 0..3 {
-        (0..6).for_each(|k| chain_step(name, &kind(k)));
-    }
-    let (made, allocs) = (plans(), backend.allocs());
-    for _ in 0..2 {
-        (0..6).for_each(|k| chain_step(name, &kind(k)));
-    }
-    assert_eq!(plans(), made, "every kind kept its plan");
-    assert_eq!(backend.allocs(), allocs, "served from the plans' block");
-    crate::invalidate(name);
-    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+    kinds_settle((name, &backend), kind, 6, (3, 2));
 }
 
 /// Kinds of step taking turns whose arrays come in other orders (a batch of another size, for
@@ -252,17 +268,7 @@ fn kinds_of_step_in_other_orders_that_come_again_get_a_plan_each() {
             .chain(std::iter::repeat_n(small, 2 - k))
             .collect()
     };
-    for _ in 0..2 {
-        (0..3).for_each(|k| chain_step(name, &kind(k)));
-    }
-    let (made, allocs) = (plans(), backend.allocs());
-    for _ in 0..3 {
-        (0..3).for_each(|k| chain_step(name, &kind(k)));
-    }
-    assert_eq!(plans(), made, "each kind follows a plan of its own");
-    assert_eq!(backend.allocs(), allocs, "served from the plans' block");
-    crate::invalidate(name);
-    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+    kinds_settle((name, &backend), kind, 3, (2, 3));
 }
 
 /// The shelf of plans is bounded in positions as well as in plans: four kinds of long steps
@@ -283,9 +289,7 @@ fn the_shelf_holds_no_more_positions_than_its_bound() {
             .collect()
     };
     SHELVED_MOST.with(|most| most.set(0));
-    for _ in 0..3 {
-        (0..4).for_each(|k| chain_step(name, &kind(k)));
-    }
+    take_turns(name, &kind, 4, 3);
     let most = SHELVED_MOST.with(std::cell::Cell::get);
     // Three kinds shelved would be 4500 positions or more: at most two were.
     assert!(most >= 2800, "plans were shelved: {most} positions at most");

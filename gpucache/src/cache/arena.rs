@@ -1194,13 +1194,10 @@ impl DeviceArena {
             };
             positions -= self.shelf.swap_remove(i).layout.len();
         }
+        #[cfg(test)]
+        SHELVED_MOST.with(|most| most.set(most.get().max(positions + layout.len())));
         let used = self.step;
         self.shelf.push(Shelved { layout, used });
-        #[cfg(test)]
-        SHELVED_MOST.with(|most| {
-            let now = self.shelf.iter().map(|s| s.layout.len()).sum();
-            most.set(most.get().max(now));
-        });
     }
 
     /// The first allocation of a step, of `size` aligned bytes, picks the plan to follow: of

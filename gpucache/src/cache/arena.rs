@@ -20,7 +20,9 @@
 //! The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
 //! offsets, and the views made at them, stay); else the next plan keeps the block when it fits.
 //! Any other step (another order, extra or missing allocations, an array kept alive) is served
-//! from the block's free ranges ([`Gaps`]), and so is a step that outgrew its plan when waiting
+//! from the block's free ranges ([`Gaps`]: best fit, each array toward the end of the block
+//! where the plan placed its position, so that the plan's long-lived arrays keep together as it
+//! arranged them; a step that outgrew its plan from the bottom only), and so is a step that outgrew its plan when waiting
 //! for the block would cost too much: arrays planned to live past the first eighth of the rest
 //! of the step hold it (a training step's forward pass, an attention mask), or half the plan's
 //! footprint went apart while waiting, or by the time the block is unused the step can no
@@ -664,7 +666,7 @@ impl Plan {
             let used = std::iter::once(0..footprint).chain(pinned);
             self.tail = Some(Gaps::new(self.block_bytes(), used));
         }
-        Ok(self.tail.as_mut().and_then(|t| t.take(rec, size)))
+        Ok(self.tail.as_mut().and_then(|t| t.take(rec, size, false)))
     }
 
     /// A view for allocation `rec`'s array of `bytes` bytes (`size` aligned) at `offset` of the
@@ -2022,7 +2024,15 @@ impl CacheState {
         let a = &mut self.arenas.devices[i];
         let plan = a.plan.as_mut()?;
         let arena = plan.block?;
-        let Some(offset) = plan.gaps.as_mut()?.take(rec, size) else {
+        // Placed toward the end of the block where the plan put its position (by the middle of
+        // its planned range), so that the step's long-lived arrays keep together away from its
+        // churn, as the plan arranged them from the recorded lifetimes; not in a step that
+        // outgrew the plan (its arrangement is a smaller step's).
+        let high = !a.keep_gaps
+            && a.record
+                .get(rec as usize)
+                .is_some_and(|r| plan.layout.upper(r.planned));
+        let Some(offset) = plan.gaps.as_mut()?.take(rec, size, high) else {
             if a.keep_gaps || plan.block_in_use() || !a.may_scale() {
                 // The step outgrew its plan, or its arrays hold the block, or it cannot follow
                 // the plan scaled: this array goes apart, and the gaps serve the rest while

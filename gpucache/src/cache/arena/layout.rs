@@ -356,6 +356,14 @@ impl Layout {
         }
     }
 
+    /// Whether position `k` is placed in the plan's upper half (the middle of its range above
+    /// the middle of the footprint); not a position apart, nor one past the plan's end.
+    pub(super) fn upper(&self, k: u32) -> bool {
+        self.spots
+            .get(k as usize)
+            .is_some_and(|s| !s.apart && s.offset + s.size / 2 > self.footprint / 2)
+    }
+
     /// The number of positions.
     pub(super) fn len(&self) -> usize {
         self.spots.len()

@@ -15,17 +15,18 @@
 //! largest size. Until then, a step that outgrew the plan (matched with it position by
 //! position, and larger in all than the block allows) gets solo blocks while the plan's block is
 //! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
-//! the ratio in which the step grew ([`Layout::scale`]; its rest placed again when the arrays
-//! made before would keep bytes of it unused), serves the rest of the step from one new block.
-//! The scaled plan stays the plan if it held the step as it was ([`Layout::holds`]: its
-//! offsets, and the views made at them, stay); else the next plan keeps the block when it fits.
-//! Any other step (another order, extra or missing allocations, an array kept alive) is served
-//! from the block's free ranges ([`Gaps`]: best fit, each array toward the end of the block
-//! where the plan placed its position, so that the plan's long-lived arrays keep together as it
-//! arranged them; a step that outgrew its plan from the bottom only), and so is a step that outgrew its plan when waiting
-//! for the block would cost too much: arrays planned to live past the first eighth of the rest
-//! of the step hold it (a training step's forward pass, an attention mask), or half the plan's
-//! footprint went apart while waiting, or by the time the block is unused the step can no
+//! the ratio in which the step grew (its largest array's so far, when that grew;
+//! [`Layout::scale`]; its rest placed again when the arrays made before would keep bytes of it
+//! unused), serves the rest of the step from one new block. The scaled plan stays the plan if it
+//! held the step as it was ([`Layout::holds`]: its offsets, and the views made at them, stay);
+//! else the next plan keeps the block when it fits. Any other step (another order, extra or
+//! missing allocations, an array kept alive) is served from the block's free ranges ([`Gaps`]:
+//! best fit, each array toward the end of the block where the plan placed its position, so that
+//! the plan's long-lived arrays keep together as it arranged them; from the bottom only in a step
+//! that outgrew its plan and is served from its block), and so is a step that outgrew its plan
+//! when waiting for the block would cost too much: arrays planned to live past the first eighth
+//! of the rest of the step hold it (a training step's forward pass, an attention mask), or half the
+//! plan's footprint went apart while waiting, or by the time the block is unused the step can no
 //! longer follow the plan scaled (it left the plan's order, or passed its middle; the block
 //! goes back after all if it holds nothing when an array apart would take the cache past its
 //! peak). An allocation the gaps cannot hold gets a solo block; the gaps close for it only when
@@ -2027,8 +2028,9 @@ impl CacheState {
         // Placed toward the end of the block where the plan put its position (by the middle of
         // its planned range), so that the step's long-lived arrays keep together away from its
         // churn, as the plan arranged them from the recorded lifetimes; not in a step that
-        // outgrew the plan (its arrangement is a smaller step's).
-        let high = !a.keep_gaps
+        // outgrew the plan and is served from its block (its arrangement is a smaller step's;
+        // a plan scaled for the step is the step's).
+        let high = (!a.keep_gaps || a.scaled)
             && a.record
                 .get(rec as usize)
                 .is_some_and(|r| plan.layout.upper(r.planned));

@@ -720,3 +720,36 @@ fn a_plan_is_scaled_as_its_largest_array_grew() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// A step whose second input is four times the plan's (its plan's block goes back once unused,
+/// for the plan scaled) while its feature maps are smaller than planned: by the time the block is
+/// unused the step no longer asks for more than the plan holds, and it follows the plan as it is,
+/// in a block of its own; served apart array by array, it made a device allocation per map.
+#[test]
+fn a_step_that_outgrew_its_plan_then_shrank_follows_it_in_a_new_block() {
+    let name = "unit-outgrew-shrank";
+    let (backend, _installed, _serial) = planned(name);
+    // Two inputs, each dropped after the next map, and a chain of maps.
+    let step = |input: usize, second: usize, map: usize| {
+        let _scope = crate::enter(name);
+        let a = filled(input, 1);
+        let m = filled(map, 2);
+        drop(a);
+        let b = filled(second, 3);
+        drop(m);
+        chain((0..10).map(|_| map));
+        assert!(b.to_vec().unwrap().iter().all(|&e| e == 3));
+    };
+    for _ in 0..3 {
+        step(4096, 4096, 40 * 1024);
+    }
+    let allocs = backend.allocs();
+    step(4096, 4 * 4096, 30 * 1024);
+    assert_eq!(
+        backend.allocs() - allocs,
+        2,
+        "the second input apart and the plan's new block"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

@@ -685,6 +685,14 @@ impl Layout {
             .is_some_and(|((asked, planned), _)| asked > planned)
     }
 
+    /// Whether the step recorded so far as `record`, matched with the plan position by position,
+    /// asked for no more bytes in all than the positions it was matched with hold (its arrays
+    /// that grew past their positions are outweighed by those that shrank).
+    pub(super) fn no_larger(&self, record: &[Rec]) -> bool {
+        self.growth(record)
+            .is_some_and(|((asked, planned), _)| asked <= planned)
+    }
+
     /// The bytes the step recorded so far as `record` asked for at the plan's placed positions
     /// and the bytes those positions hold, then the same for the largest of those positions,
     /// when the step was matched with the plan position by position, small arrays extra and

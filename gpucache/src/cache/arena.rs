@@ -51,7 +51,8 @@
 //! longer sequence, grown everywhere in small arrays). A position that grew by at most a
 //! thirty-second since the last plan is planned with room for 32 more such steps (at most an
 //! eighth more): a decoder's attention over the tokens so far grows every step, and would
-//! otherwise outgrow every plan.
+//! otherwise outgrow every plan. One that grew by more is planned a 256th larger: steps whose
+//! sizes vary come again a little larger than the largest before.
 //!
 //! Apart is the block's *tail* when it holds the array (the bytes past the plan's footprint in a
 //! block kept for a larger plan, less the pins; [`Plan::tail`]), else a solo block; so for a

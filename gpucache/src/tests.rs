@@ -594,11 +594,12 @@ fn a_step_grown_everywhere_in_small_arrays_scales_its_plan() {
     }
     let allocs = backend.allocs();
     step(1280);
-    // The first grown array apart (a 104th of the footprint), then the scaled plan's block, from
-    // the second on; more of them apart without (a device allocation each).
+    // The first two grown arrays apart (a 104th of the footprint each: two might be a
+    // detector's images, which say nothing of the rest), then the scaled plan's block, from the
+    // third on; more of them apart without (a device allocation each).
     assert_eq!(
         backend.allocs(),
-        allocs + 2,
+        allocs + 3,
         "the plan scaled served the step"
     );
     let allocs = backend.allocs();
@@ -749,6 +750,90 @@ fn a_step_that_outgrew_its_plan_then_shrank_follows_it_in_a_new_block() {
         backend.allocs() - allocs,
         2,
         "the second input apart and the plan's new block"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// A detector's step keeps its outputs (here ten small arrays, five for each of two images) until
+/// the next step's replace them, and leaves its plan before making them (its detections vary),
+/// so they come from the block's gaps: the next plan keeps the block under them (pins; the
+/// block grows in place around them, as CUDA's can), rather than the block being retired under
+/// them and the next plan's block made beside it (with eight pins at most: 2.31x of the bytes
+/// held before, now 1.41x).
+#[test]
+fn a_detectors_outputs_kept_into_the_next_step_keep_the_block() {
+    let name = "unit-outputs-pinned";
+    let (backend, _installed, _serial) = planned(name);
+    // Blocks that grow in place, as CUDA's do (virtual memory management).
+    backend.set_growable(true);
+    // A chain of maps, one larger than planned at `grown` (the step leaves its plan there), then
+    // `outputs` small arrays, returned.
+    let step = |grown: bool, outputs: usize| -> Vec<Array<u32>> {
+        let _scope = crate::enter(name);
+        chain((0..8).map(|i| {
+            if grown && i == 6 {
+                40 * 1024
+            } else {
+                32 * 1024
+            }
+        }));
+        (0..outputs).map(|i| filled(64, i as u32)).collect()
+    };
+    let mut kept = step(false, 10);
+    for _ in 0..3 {
+        kept = step(false, 10);
+    }
+    let held = backend.outstanding_bytes();
+    backend.reset_peak();
+    // Two steps that leave their plans with more outputs than the plan had positions for.
+    for _ in 0..2 {
+        let next = step(true, 12);
+        assert!(
+            kept.iter().enumerate().all(|(i, a)| a
+                .to_vec()
+                .unwrap()
+                .iter()
+                .all(|&e| e == i as u32))
+        );
+        kept = next;
+    }
+    // The block and the arrays apart around it, never a second block beside it.
+    assert!(
+        backend.peak_bytes() < held + held / 2,
+        "{} bytes held at most, {held} before",
+        backend.peak_bytes()
+    );
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// A detector's step: two images, each larger than the plan's (together past a 64th of the
+/// footprint), and feature maps smaller than planned (the model resizes its images). The images
+/// go apart and the rest follows the plan; scaling the plan by the images' growth at the second
+/// made a block half as large again for a step that fit the old one.
+#[test]
+fn two_grown_images_do_not_scale_a_plan_that_holds_the_rest() {
+    let name = "unit-two-images";
+    let (backend, _installed, _serial) = planned(name);
+    let step = |image: usize, map: usize| {
+        let _scope = crate::enter(name);
+        let images = [filled(image, 1), filled(image, 2)];
+        chain((0..8).map(|_| map));
+        assert!(images[1].to_vec().unwrap().iter().all(|&e| e == 2));
+    };
+    for _ in 0..3 {
+        step(600, 32 * 1024);
+    }
+    let held = backend.outstanding_bytes();
+    backend.reset_peak();
+    step(900, 29 * 1024);
+    // The plan's block and the two images apart.
+    assert!(
+        backend.peak_bytes() <= held + 2 * 4 * 1024,
+        "{} bytes held at most, {held} before",
+        backend.peak_bytes()
     );
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");

@@ -122,6 +122,8 @@ pub(in crate::cache) struct DeviceArena {
     /// Aligned bytes of this step's positions that grew past their plan and were served apart
     /// while the step stayed on its plan.
     pub(super) grown: usize,
+    /// How many arrays make up [`DeviceArena::grown`].
+    pub(super) grown_arrays: usize,
     /// The step left its plan for want of room: served apart from there, its plan's block given
     /// back once unused.
     pub(super) outgrew: bool,

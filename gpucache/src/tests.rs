@@ -630,6 +630,28 @@ fn lifetimes_step(name: &str, lives: &[(usize, usize)]) -> usize {
     peak
 }
 
+/// Two steps of `lives` (see [`lifetimes_step`]) in planned cache `name` on `backend`: the
+/// first holds its peak live bytes exactly (no plan yet); returns the most bytes held over the
+/// second's peak live bytes. The cache is given back after (every block with it).
+fn second_step_held(
+    name: &str,
+    backend: &CountingBackend,
+    first: &[(usize, usize)],
+    second: &[(usize, usize)],
+) -> f64 {
+    let live = lifetimes_step(name, first);
+    assert_eq!(
+        backend.peak_bytes(),
+        live,
+        "a first step holds its peak live bytes"
+    );
+    let live = lifetimes_step(name, second);
+    let held = backend.peak_bytes() as f64 / live as f64;
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+    held
+}
+
 /// A detector's second step (the first 27 arrays of Faster R-CNN's, as recorded, sizes in
 /// quarters of a MiB as pages): its input smaller than the first step's, everything after it a
 /// fifth larger, so it leaves its plan at its seventh array and is served from the block's gaps.
@@ -661,20 +683,11 @@ fn a_step_served_from_the_gaps_keeps_its_plans_long_lived_arrays_at_the_top() {
         25, 27, 27,
     ];
     let second: Vec<(usize, usize)> = sizes.into_iter().zip(ends).collect();
-    let live = lifetimes_step(name, &first);
-    assert_eq!(
-        backend.peak_bytes(),
-        live,
-        "a first step holds its peak live bytes"
-    );
-    let live = lifetimes_step(name, &second);
-    let held = backend.peak_bytes() as f64 / live as f64;
+    let held = second_step_held(name, &backend, &first, &second);
     assert!(
         held < 1.25,
         "the second step held {held:.3}x of its peak live bytes"
     );
-    crate::invalidate(name);
-    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
 /// A larger step whose inputs grew far more than the rest (the first 30 arrays of RetinaNet's
@@ -706,20 +719,11 @@ fn a_plan_is_scaled_as_its_largest_array_grew() {
         25, 30, 29, 28, 29, 30,
     ];
     let second: Vec<(usize, usize)> = sizes.into_iter().zip(ends).collect();
-    let live = lifetimes_step(name, &first);
-    assert_eq!(
-        backend.peak_bytes(),
-        live,
-        "a first step holds its peak live bytes"
-    );
-    let live = lifetimes_step(name, &second);
-    let held = backend.peak_bytes() as f64 / live as f64;
+    let held = second_step_held(name, &backend, &first, &second);
     assert!(
         held < 1.15,
         "the second step held {held:.3}x of its peak live bytes"
     );
-    crate::invalidate(name);
-    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
 /// A step whose second input is four times the plan's (its plan's block goes back once unused,

@@ -842,3 +842,32 @@ fn two_grown_images_do_not_scale_a_plan_that_holds_the_rest() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// Steps that never come again (a detector's: here a chain of `n` arrays of about 60 KiB,
+/// another size and another `n` than the step before's), each leaving the plan made from the
+/// one before, within its block and with no device allocation: after two such steps in a row
+/// they are no longer planned (nine plans for nine steps before: a plan a step, for nothing).
+#[test]
+fn steps_that_never_come_again_within_the_block_are_not_planned_each() {
+    let name = "unit-settled";
+    let (backend, _installed, _serial) = planned(name);
+    let step = |n: usize, len: usize| {
+        let _scope = crate::enter(name);
+        chain(std::iter::repeat_n(len, n));
+    };
+    // The plan: a chain of four arrays of 64 KiB (two alive at a time).
+    step(4, 16 * 1024);
+    step(4, 16 * 1024);
+    let (made, allocs) = (plans(), backend.allocs());
+    for k in 0..9 {
+        step(5 + k % 3, 15 * 1024 + 64 * k);
+    }
+    assert_eq!(backend.allocs(), allocs, "the block held every step");
+    assert_eq!(
+        plans() - made,
+        2,
+        "planned until two steps in a row left their plans"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

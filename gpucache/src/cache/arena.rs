@@ -301,6 +301,11 @@ const MAX_PINS: usize = 16;
 /// live bytes; its feature maps were smaller; 1.321x when three arrays must have grown).
 const GROWN_TO_SCALE: usize = 3;
 
+/// After this many steps in a row that left their plans, a step that leaves its plan within
+/// its block, with no device allocation, is not planned again
+/// ([`DeviceArena::settled_in_block`]).
+const LEFT_IN_A_ROW: usize = 2;
+
 /// An array that outgrows its position and is at least this fraction of the plan's footprint
 /// makes the step leave its plan, when serving it apart would raise the cache's peak
 /// ([`DeviceArena::grows_in_place`]).
@@ -357,6 +362,7 @@ impl Plan {
             loose: HashMap::new(),
             loose_len: 0,
             pins: Vec::new(),
+            around_pins: false,
         }
     }
 
@@ -950,6 +956,8 @@ impl DeviceArena {
             overflowed: false,
             grown: 0,
             grown_arrays: 0,
+            allocated: 0,
+            left_in_a_row: 0,
             waited: 0,
             outgrew: false,
             scaled: false,
@@ -963,6 +971,37 @@ impl DeviceArena {
             unplanned: [0; device::UNPLANNED],
             reordered: Vec::new(),
         }
+    }
+
+    /// Whether the step that just ended left its plan within its block with no device
+    /// allocation, after at least [`LEFT_IN_A_ROW`] steps in a row that left theirs: then it is
+    /// not planned again. A detector's steps never come again (as many proposals as its images
+    /// give): each leaves the plan made from the one before, and planning each again cost a plan
+    /// a step for nothing (FCOS: 760 µs a step on the CPU, 531 µs so, and 1.319x -> 1.267x of
+    /// its peak live bytes: the plan keeps the larger steps' sizes). A step that needed the
+    /// device (its arrays did not fit the block's gaps) is planned, and a step that follows its
+    /// plan ends the run; so is a step whose plan was placed around arrays of an earlier step
+    /// (pins: their bytes may be free now, and the plan made again uses them). Counts the run.
+    fn settled_in_block(&mut self, tainted: bool, tail_alive: bool) -> bool {
+        let settled = self.diverged
+            && self.left_in_a_row >= LEFT_IN_A_ROW
+            && self.allocated == 0
+            && !self.outgrew
+            && !self.scaled
+            && !self.overflowed
+            && !tainted
+            && !tail_alive
+            && self
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.block.is_some() && !p.block_in_use() && !p.around_pins);
+        self.left_in_a_row = if self.diverged {
+            self.left_in_a_row.saturating_add(1)
+        } else {
+            0
+        };
+        self.allocated = 0;
+        settled
     }
 
     /// Whether the step that just ended, which left its plan, is served as well by the plan it
@@ -1049,6 +1088,7 @@ impl DeviceArena {
     /// them never raises the cache's peak. While the thread captures a step graph (which
     /// refuses the allocation) they stay.
     fn alloc(&mut self, st: &Counters, capacity: usize, plan: bool) -> Planned {
+        self.allocated += 1;
         self.note_held(st);
         let capturing = capturing();
         let grown = self
@@ -1618,7 +1658,8 @@ impl DeviceArena {
         {
             retired += usize::from(self.detach(st, b, in_use, true));
         }
-        if self.served_unplanned(tainted)
+        let settled = self.settled_in_block(tainted, tail_alive);
+        if (settled || self.served_unplanned(tainted))
             && let Some(plan) = &mut self.plan
         {
             // The plan stays as it was; no array of the block is alive, so every position is
@@ -1757,6 +1798,7 @@ impl DeviceArena {
                         plan.layout.block(p.range.clone());
                     }
                 }
+                plan.around_pins = !pins.is_empty();
                 plan.pins = pins;
                 plan.in_use = held;
             }

@@ -52,6 +52,9 @@ pub(in crate::cache) struct Plan {
     /// loop's loss, kept until the next step's replaces it): the plan's positions are placed
     /// around them, and their bytes are free once they drop.
     pub(super) pins: Vec<Pin>,
+    /// The layout was placed around the pins it was made with (they may have dropped since):
+    /// its arrangement is this block's of that moment.
+    pub(super) around_pins: bool,
 }
 
 /// An array of a plan's block made before the plan (in the step the plan was made from, or
@@ -124,6 +127,10 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) grown: usize,
     /// How many arrays make up [`DeviceArena::grown`].
     pub(super) grown_arrays: usize,
+    /// Device allocations of this step (blocks, and arrays apart that no spare served).
+    pub(super) allocated: usize,
+    /// Steps in a row that left their plans, up to the last that ended.
+    pub(super) left_in_a_row: usize,
     /// The step left its plan for want of room: served apart from there, its plan's block given
     /// back once unused.
     pub(super) outgrew: bool,

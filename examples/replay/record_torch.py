@@ -30,6 +30,7 @@ Built-in models (random weights, from configs; no network needed)::
         t5-train llama-ckpt-train bert-dynpad swin-infer densenet-infer frcnn-infer \
         mistral-decode mobilenet-vary-train resnet-epochs-train gpt2-vary-train \
         --out /tmp/logs            # writes /tmp/logs/<model>.csv.gz
+    python3 examples/replay/record_torch.py detectors --out /tmp/logs   # five detectors
     python3 examples/replay/record_torch.py tiny --out /tmp   # a self-check of the recorder
 
 Your own model::
@@ -731,26 +732,53 @@ def record_densenet_infer(out):
     return record_vision_infer(out, "densenet_infer", torchvision.models.densenet121, 64, 23)
 
 
-def record_frcnn_infer(out, steps=10):
-    """torchvision's Faster R-CNN (MobileNetV3 backbone) detecting in two images a step, each
-    step's images of another size (320 to 800 pixels a side)."""
-    import torchvision
-
+def record_detection(out, name, make, seed, steps=10):
+    """A torchvision detection model `make()` (random weights) detecting in two images a step,
+    each step's images of another size (320 to 800 pixels a side, drawn with `seed`)."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    detection = torchvision.models.detection
-    model = detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None)
-    model = model.to(dev).eval()
-    gen = torch.Generator().manual_seed(24)
+    model = make().to(dev).eval()
+    gen = torch.Generator().manual_seed(seed)
     sizes = [tuple(torch.randint(320, 801, (2,), generator=gen).tolist()) for _ in range(steps)]
-    print(f"frcnn-infer: sizes {sizes}", flush=True)
+    print(f"{name}: sizes {sizes}", flush=True)
     rec = Recorder("infer")
     with torch.no_grad(), rec:
         for h, w in sizes:
             with rec.step():
                 found = model([torch.rand(3, h, w, device=dev) for _ in range(2)])
                 sum(float(d["scores"].sum()) for d in found)
-    return rec.write(os.path.join(out, "frcnn_infer.csv.gz"))
+    return rec.write(os.path.join(out, name.replace("-", "_") + ".csv.gz"))
+
+
+def detection(build):
+    """A constructor of torchvision's detection models, with no weights to download."""
+
+    def make():
+        import torchvision
+
+        return getattr(torchvision.models.detection, build)(weights=None, weights_backbone=None)
+
+    return make
+
+
+def record_frcnn_infer(out):
+    """torchvision's Faster R-CNN (MobileNetV3 backbone)."""
+    return record_detection(out, "frcnn-infer", detection("fasterrcnn_mobilenet_v3_large_fpn"), 24)
+
+
+def record_detectors(out):
+    """Five more of torchvision's detectors (ResNet-50 FPN backbones), recorded as checks of the
+    planner on steps that never come again: FCOS, Mask R-CNN, Keypoint R-CNN, Faster R-CNN v2 and
+    RetinaNet v2 (each step's images drawn with one seed for all five)."""
+    for name, build in [
+        ("fcos-infer", "fcos_resnet50_fpn"),
+        ("maskrcnn-infer", "maskrcnn_resnet50_fpn"),
+        ("keypoint-infer", "keypointrcnn_resnet50_fpn"),
+        ("frcnn-v2-infer", "fasterrcnn_resnet50_fpn_v2"),
+        ("retinanet-v2-infer", "retinanet_resnet50_fpn_v2"),
+    ]:
+        record_detection(out, name, detection(build), 31)
+        torch.cuda.empty_cache()
 
 
 def record_deeplab_infer(out, steps=12, batch=4):
@@ -875,6 +903,7 @@ MODELS = {
     "swin-infer": record_swin_infer,
     "densenet-infer": record_densenet_infer,
     "frcnn-infer": record_frcnn_infer,
+    "detectors": record_detectors,
     "mistral-decode": record_mistral_decode,
     "mobilenet-vary-train": record_mobilenet_vary_train,
     "resnet-epochs-train": record_resnet_epochs_train,

@@ -1000,7 +1000,6 @@ impl DeviceArena {
         } else {
             0
         };
-        self.allocated = 0;
         settled
     }
 
@@ -1819,6 +1818,7 @@ impl DeviceArena {
         self.overflowed = false;
         self.grown = 0;
         self.grown_arrays = 0;
+        self.allocated = 0;
         self.outgrew = false;
         self.scaled = false;
         self.waited = 0;

@@ -264,20 +264,17 @@ const GROWN_ROOM: usize = 256;
 /// 1.242x with a 1024th; a 256th costs BERT trained with dynamic padding 1.004x -> 1.007x, and
 /// the other logs nothing but a thousandth, where a 64th or a 32nd cost 1% to 2%).
 fn planned_size(bytes: usize, was: Option<usize>) -> usize {
-    match was {
+    let room = match was {
         Some(was) if bytes > was && bytes - was <= bytes / 32 => {
-            let room = (bytes - was).saturating_mul(32).min(bytes / 8);
-            super::block::aligned(bytes.saturating_add(room)).unwrap_or(bytes)
+            (bytes - was).saturating_mul(32).min(bytes / 8)
         }
-        Some(was) if bytes > was => {
-            // Whole alignment units (none below 64 KiB), so that the room is never more than
-            // a 256th of the position.
-            let room = bytes / GROWN_ROOM / planner::ALIGN * planner::ALIGN;
-            super::block::aligned(bytes.saturating_add(room)).unwrap_or(bytes)
-        }
-        Some(was) => bytes.max(was),
-        None => bytes,
-    }
+        // Whole alignment units (none below 64 KiB), so that the room is never more than a
+        // 256th of the position.
+        Some(was) if bytes > was => bytes / GROWN_ROOM / planner::ALIGN * planner::ALIGN,
+        Some(was) => return bytes.max(was),
+        None => return bytes,
+    };
+    super::block::aligned(bytes.saturating_add(room)).unwrap_or(bytes)
 }
 
 impl Layout {

@@ -843,6 +843,37 @@ fn two_grown_images_do_not_scale_a_plan_that_holds_the_rest() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// `invalidate` and `empty_cache` are a cold start: the steps that left their plans in a row
+/// before it are forgotten, and the first step after it, which has no plan, left none. With
+/// the first step counted as one that left its plan, the second step after the cold start left
+/// unplanned a step that left the new plan (one step too early).
+#[test]
+fn a_cold_start_forgets_the_steps_that_left_their_plans_in_a_row() {
+    let name = "unit-settled-cold";
+    let (_backend, _installed, _serial) = planned(name);
+    let step = |n: usize, len: usize| {
+        let _scope = crate::enter(name);
+        chain(std::iter::repeat_n(len, n));
+    };
+    for k in 0..6 {
+        step(5 + k % 3, 15 * 1024 + 64 * k);
+    }
+    crate::invalidate(name);
+    // Recorded, and planned at its end.
+    step(4, 16 * 1024);
+    // Leaves the plan (its first allocation makes the block), planned again.
+    step(5, 15 * 1024);
+    let made = plans();
+    // Leaves that plan within its block: only the second step in a row to leave its plan.
+    step(6, 15 * 1024 + 64);
+    assert_eq!(
+        plans() - made,
+        1,
+        "a step that left its plan, the second in a row, is planned"
+    );
+    crate::invalidate(name);
+}
+
 /// Steps that never come again (a detector's: here a chain of `n` arrays of about 60 KiB,
 /// another size and another `n` than the step before's), each leaving the plan made from the
 /// one before, within its block and with no device allocation: after two such steps in a row

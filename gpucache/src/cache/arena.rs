@@ -1602,7 +1602,9 @@ impl DeviceArena {
         let Some(mut plan) = self.plan.take() else {
             return false;
         };
-        self.diverged = true;
+        // Within a step, the rest of it is served apart, and it is planned at its end; between
+        // steps, the next starts cold.
+        self.diverged |= self.tick > 0;
         plan.take_block()
             .is_some_and(|(b, in_use)| self.detach(st, b, in_use, false))
     }
@@ -2332,6 +2334,7 @@ impl CacheState {
             a.awaiting = None;
             a.unplanned = [0; device::UNPLANNED];
             a.reordered.clear();
+            a.left_in_a_row = 0;
         }
         self.live += retired;
     }

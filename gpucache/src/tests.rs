@@ -813,6 +813,58 @@ fn a_detectors_outputs_kept_into_the_next_step_keep_the_block() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A segmenting detector's step keeps two large outputs (Mask R-CNN's masks, an image each) until
+/// the next step's replace them, and leaves its plan before making them (its steps never come
+/// again), so they come from the block's gaps: together far past a 64th of the block, yet the
+/// next step needs the block as much as this one did. The next plan keeps the block under them
+/// (grown in place around them) rather than the block being retired under them and the next
+/// plan's block made beside it, every step.
+#[test]
+fn a_detectors_large_outputs_kept_into_the_next_step_keep_the_block() {
+    let name = "unit-large-outputs-pinned";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    // Chains of `n` maps of `len` elements, an output of 64 KiB after each; the last step's
+    // outputs (checked) drop at the end.
+    let step = |n: usize, len: usize, v: u32, last: Option<[Array<u32>; 2]>| -> [Array<u32>; 2] {
+        let _scope = crate::enter(name);
+        chain(std::iter::repeat_n(len, n));
+        let first = filled(16 * 1024, v);
+        chain(std::iter::repeat_n(len, n));
+        let second = filled(16 * 1024, v + 1);
+        if let Some(last) = last {
+            let ok = |a: &Array<u32>, v: u32| a.to_vec().unwrap().iter().all(|&e| e == v);
+            assert!(ok(&last[0], v - 2) && ok(&last[1], v - 1));
+        }
+        [first, second]
+    };
+    let mut kept = step(4, 32 * 1024, 0, None);
+    for v in 1..3 {
+        kept = step(4, 32 * 1024, 2 * v, Some(kept));
+    }
+    let held = backend.outstanding_bytes();
+    backend.reset_peak();
+    for v in 3..9 {
+        kept = step(
+            5 + v as usize % 3,
+            32 * 1024 - 64 * v as usize,
+            2 * v,
+            Some(kept),
+        );
+    }
+    // Retired under the outputs every step, the block stayed beside the next one: 1.59x of the
+    // bytes the steps that followed their plan held; kept under them, 1.39x (arrays that no
+    // longer fit its gaps go apart).
+    assert!(
+        backend.peak_bytes() < held + held * 9 / 20,
+        "{} bytes held at most, {held} before",
+        backend.peak_bytes()
+    );
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A detector's step: two images, each larger than the plan's (together past a 64th of the
 /// footprint), and feature maps smaller than planned (the model resizes its images). The images
 /// go apart and the rest follows the plan; scaling the plan by the images' growth at the second

@@ -226,11 +226,22 @@ pub(super) fn signature(record: &[Rec]) -> u64 {
 /// The most aligned bytes of a step's arrays alive at once, from its record (an array still
 /// alive counts to the end).
 pub(super) fn peak_live(record: &[Rec]) -> usize {
+    peak_of(record, |_| true)
+}
+
+/// The most aligned bytes alive at once of the step's arrays that dropped within it (those
+/// still alive at its end left out).
+pub(super) fn peak_within(record: &[Rec]) -> usize {
+    peak_of(record, |r| r.end != OPEN)
+}
+
+/// The most aligned bytes alive at once of the arrays of `record` that `counted` keeps.
+fn peak_of(record: &[Rec], counted: impl Fn(&Rec) -> bool) -> usize {
     let n = record.len() as u32;
     let lives: Vec<Lifetime> = (0..n)
         .zip(record)
         .map(|(k, r)| Lifetime {
-            bytes: r.bytes,
+            bytes: if counted(r) { r.bytes } else { 0 },
             start: k,
             end: r.end.min(n).max(k + 1),
         })

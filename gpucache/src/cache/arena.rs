@@ -153,9 +153,10 @@
 //! A plan remade keeps its block under arrays still alive there when they are few (at most
 //! [`MAX_PINS`]), small (at most a [`PIN_SHARE`]th of the block) and all known: served this step,
 //! at a position or from the gaps (a training loop's loss, kept until the next step's replaces it,
-//! in a step that left its plan). Larger ones, up to half the block, when the step left its plan
-//! and its own arrays needed at least half the block at once ([`LEFT_PIN_SHARE`]: a detector's
-//! outputs, kept by the caller into the next step, which needs the block as much). They are the new plan's *pins* ([`DeviceArena::pins_for`]): its
+//! in a step that left its plan). Larger ones, up to half a block that can grow, when the step
+//! left its plan and its own arrays needed at least half the block at once ([`LEFT_PIN_SHARE`]:
+//! a detector's outputs, kept by the caller into the next step, which needs the block as much).
+//! They are the new plan's *pins* ([`DeviceArena::pins_for`]): its
 //! positions are placed around them ([`crate::planner::greedy_by_size_around`]), or, when that no
 //! longer fits the block, placed as if they were not there, and a position over them is served
 //! apart until they drop (the step staying on its plan: [`Serve::Blocked`]); the gaps leave them
@@ -327,15 +328,17 @@ const GROWN_BUDGET: usize = 16;
 /// [`LEFT_PIN_SHARE`]).
 const PIN_SHARE: usize = 64;
 
-/// The arrays a plan's block keeps for the next plan hold at most this fraction of it when the
-/// step that made them left its plan and its own arrays, those that dropped within it, took at
-/// least this fraction of the block at once ([`DeviceArena::keeps_block_under`]): a detector's
-/// outputs, kept by the caller until the next step's replace them. Mask R-CNN's masks (two
-/// arrays of 54-214 MiB a step, made in the gaps of a step that left its plan, in a block of
-/// about 950 MiB) retired its block every step, and the next step made its block beside it:
+/// The arrays a block that can grow keeps for the next plan hold at most this fraction of it
+/// when the step that made them left its plan and its own arrays, those that dropped within it,
+/// took at least this fraction of the block at once ([`DeviceArena::keeps_block_under`]): a
+/// detector's outputs, kept by the caller until the next step's replace them. Mask R-CNN's masks
+/// (two arrays of 54-214 MiB a step, made in the gaps of a step that left its plan, in a block
+/// of about 950 MiB) retired its block every step, and the next step made its block beside it:
 /// 1.931x of its peak live bytes in the H100's granules; 1.206x kept under them (the next plan
-/// placed around them, the block grown in place), 1.930x -> 1.662x on blocks that cannot grow.
-/// A decoder's prompt step (a block of 25 MiB) whose first decoding step keeps its cache of keys
+/// placed around them, the block grown in place). A block that cannot grow would not hold that
+/// plan, whose positions over them would go apart until they drop: 1.930x -> 1.662x, but 80 ->
+/// 231 device allocations after the second step, and 2.8 times the host time on the CPU. A
+/// decoder's prompt step (a block of 25 MiB) whose first decoding step keeps its cache of keys
 /// and values (8 MiB) is not such a step: its own arrays took 0.2 MiB, and the prompt's block is
 /// retired as before (kept, Mistral's decoding held 1.231x instead of 1.174x, replayed shuffled).
 const LEFT_PIN_SHARE: usize = 2;
@@ -1610,15 +1613,17 @@ impl DeviceArena {
         }
         let bytes: usize = pins.iter().map(|p| p.range.len()).sum();
         let block = counts.block.bytes();
-        (bytes <= block / PIN_SHARE || self.keeps_block_under(bytes, block)).then_some(pins)
+        let grows = counts.block.is_growable();
+        (bytes <= block / PIN_SHARE || grows && self.keeps_block_under(bytes, block))
+            .then_some(pins)
     }
 
     /// Whether the step that just ended, having left its plan, keeps its block (of `block`
-    /// bytes) under arrays alive there that hold `pinned` bytes, more than a [`PIN_SHARE`]th of
-    /// it: when they hold at most a [`LEFT_PIN_SHARE`]th, and the step's own arrays that dropped
-    /// within it took at least as much of the block at once, so that the next step, like it,
-    /// needs the block (retired under those arrays, its bytes would stay held beside the next
-    /// plan's block until they drop).
+    /// bytes, one that can grow) under arrays alive there that hold `pinned` bytes, more than a
+    /// [`PIN_SHARE`]th of it: when they hold at most a [`LEFT_PIN_SHARE`]th, and the step's own
+    /// arrays that dropped within it took at least as much of the block at once, so that the
+    /// next step, like it, needs the block (retired under those arrays, its bytes would stay
+    /// held beside the next plan's block until they drop).
     fn keeps_block_under(&self, pinned: usize, block: usize) -> bool {
         let share = block / LEFT_PIN_SHARE;
         self.diverged && pinned <= share && layout::peak_within(&self.record) >= share

@@ -161,7 +161,7 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan {
     let overlaps = Overlaps::of(lives);
     let live = peak_live(lives);
-    let within = live + live / FIRST_FIT_WITHIN;
+    let within = least_footprint(live, taken) + live / FIRST_FIT_WITHIN;
     let small = match overlaps {
         Overlaps::Scan => stacked(lives, live),
         Overlaps::Listed { .. } => Vec::new(),
@@ -201,6 +201,30 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
         at += lives[i].bytes;
     }
     Plan { offsets, footprint }
+}
+
+/// The least footprint of a plan of `live` peak live bytes in a block whose ranges `taken` are
+/// in use throughout the step: the arrays alive at the peak fit only in the bytes below the
+/// footprint that no range takes. (Measured from the peak live bytes alone, a plan placed
+/// around the ranges taken never came within a 32nd of it, and every order was tried: Mask
+/// R-CNN's steps, planned around the masks of the step before, spent 3.5 times as long
+/// planning.)
+fn least_footprint(live: usize, taken: &[Range<usize>]) -> usize {
+    let mut taken: Vec<&Range<usize>> = taken.iter().filter(|r| r.start < r.end).collect();
+    taken.sort_unstable_by_key(|r| r.start);
+    let (mut end, mut counted) = (live, 0);
+    for r in taken {
+        if r.start >= end {
+            break;
+        }
+        // Ranges may overlap: only the bytes past those counted already.
+        let from = r.start.max(counted);
+        if r.end > from {
+            end += r.end - from;
+            counted = r.end;
+        }
+    }
+    end
 }
 
 /// A dense step's smallest arrays, whose bytes together are at most this fraction of its peak
@@ -682,6 +706,32 @@ mod tests {
             }
         }
         assert!(listed > 1000, "the listed overlaps were tried ({listed})");
+    }
+
+    #[test]
+    fn the_least_footprint_around_ranges_taken_counts_those_below_it() {
+        // Nothing taken: the peak live bytes.
+        assert_eq!(least_footprint(100, &[]), 100);
+        // A range above the peak's bytes costs nothing; one below them, its bytes.
+        assert_eq!(least_footprint(100, std::slice::from_ref(&(200..300))), 100);
+        assert_eq!(least_footprint(100, std::slice::from_ref(&(50..300))), 350);
+        // A range reached only once the footprint grew past another's; overlaps counted once.
+        assert_eq!(least_footprint(100, &[104..110, 90..95]), 111);
+        assert_eq!(least_footprint(100, &[10..30, 20..40, 35..36]), 130);
+        assert_eq!(least_footprint(100, std::slice::from_ref(&(5..5))), 100);
+        // Every plan's footprint is at least it.
+        let mut rng = fastrand::Rng::with_seed(7);
+        for _ in 0..200 {
+            let lives = random_lives(&mut rng, 12, false);
+            let taken: Vec<Range<usize>> = (0..rng.usize(0..4))
+                .map(|_| {
+                    let start = rng.usize(0..4096);
+                    start..start + rng.usize(0..1024)
+                })
+                .collect();
+            let plan = greedy_by_size_around(&lives, &taken);
+            assert!(plan.footprint >= least_footprint(peak_live(&lives), &taken));
+        }
     }
 
     #[test]

@@ -142,7 +142,8 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 }
 
 /// [`greedy_by_size`] in a block whose byte ranges `taken` are in use throughout the step (arrays
-/// of an earlier step still alive there): no array is placed over them. The footprint is the
+/// of an earlier step still alive there): no array is placed over them, and the least footprint
+/// that other orders are measured against counts the ranges taken below it. The footprint is the
 /// end of the highest array placed, whatever the ranges taken (the block must hold it). A dense
 /// step's smallest arrays are stacked on top of the rest (see the module docs), above any range
 /// taken there.

@@ -903,10 +903,7 @@ fn two_grown_images_do_not_scale_a_plan_that_holds_the_rest() {
 fn a_cold_start_forgets_the_steps_that_left_their_plans_in_a_row() {
     let name = "unit-settled-cold";
     let (_backend, _installed, _serial) = planned(name);
-    let step = |n: usize, len: usize| {
-        let _scope = crate::enter(name);
-        chain(std::iter::repeat_n(len, n));
-    };
+    let step = |n: usize, len: usize| chain_step(name, &vec![len; n]);
     for k in 0..6 {
         step(5 + k % 3, 15 * 1024 + 64 * k);
     }
@@ -934,10 +931,7 @@ fn a_cold_start_forgets_the_steps_that_left_their_plans_in_a_row() {
 fn steps_that_never_come_again_within_the_block_are_not_planned_each() {
     let name = "unit-settled";
     let (backend, _installed, _serial) = planned(name);
-    let step = |n: usize, len: usize| {
-        let _scope = crate::enter(name);
-        chain(std::iter::repeat_n(len, n));
-    };
+    let step = |n: usize, len: usize| chain_step(name, &vec![len; n]);
     // The plan: a chain of four arrays of 64 KiB (two alive at a time).
     step(4, 16 * 1024);
     step(4, 16 * 1024);

@@ -195,7 +195,10 @@
 //!   the old block when it fits, even under a few small arrays still alive there (a training
 //!   loop's loss, kept until the next step's replaces it): it is placed around them
 //!   ([`planner::greedy_by_size_around`]), or its positions over them wait until they drop, so
-//!   a step never holds two blocks for the sake of a few bytes.
+//!   a step never holds two blocks for the sake of a few bytes. So under larger ones, up to half
+//!   a block that can grow (CUDA's), when the step left its plan and needed at least half the
+//!   block itself (a detector's masks, kept by the caller into the next step): the block grows
+//!   in place around them.
 //! * **A first step's arrays that later steps do not make** (a training step's first step makes
 //!   its optimizer's state in the middle of the step): a long run of positions apart is skipped
 //!   for the position after it, so that the next steps' temporaries of the same sizes are

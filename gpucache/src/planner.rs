@@ -208,8 +208,8 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
 /// in use throughout the step: the arrays alive at the peak fit only in the bytes below the
 /// footprint that no range takes. (Measured from the peak live bytes alone, a plan placed
 /// around the ranges taken never came within a 32nd of it, and every order was tried: Mask
-/// R-CNN's steps, planned around the masks of the step before, spent 3.5 times as long
-/// planning.)
+/// R-CNN's steps, once planned around the masks of the step before, spent 3.5 times as long in
+/// the planner as when they were not.)
 fn least_footprint(live: usize, taken: &[Range<usize>]) -> usize {
     let mut taken: Vec<&Range<usize>> = taken.iter().filter(|r| r.start < r.end).collect();
     taken.sort_unstable_by_key(|r| r.start);

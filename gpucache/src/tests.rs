@@ -813,6 +813,53 @@ fn a_detectors_outputs_kept_into_the_next_step_keep_the_block() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// One step of a segmenting detector (see the test below) in `name`'s scope: chains of `n`
+/// maps of `len` elements, an output of 64 KiB (filled with `v`, then `v + 1`) after each; the
+/// last step's outputs, checked, drop at the end. With `refuse`, the device refuses its next
+/// request, made as the step ends (the block's growth).
+fn detector_step(
+    name: &str,
+    (n, len, v): (usize, usize, u32),
+    last: Option<[Array<u32>; 2]>,
+    refuse: Option<&CountingBackend>,
+) -> [Array<u32>; 2] {
+    let _scope = crate::enter(name);
+    chain(std::iter::repeat_n(len, n));
+    let first = filled(16 * 1024, v);
+    chain(std::iter::repeat_n(len, n));
+    let second = filled(16 * 1024, v + 1);
+    if let Some(last) = last {
+        let ok = |a: &Array<u32>, v: u32| a.to_vec().unwrap().iter().all(|&e| e == v);
+        assert!(ok(&last[0], v - 2) && ok(&last[1], v - 1));
+    }
+    if let Some(backend) = refuse {
+        backend.fail_nth(1);
+    }
+    [first, second]
+}
+
+/// The steps of [`detector_step`] that follow their plan, then steps that never come again
+/// (another `n` and `len` each), leaving it; the step `refused` (if any) with the device
+/// refusing the block's growth at its end. Returns the bytes held after the first ones.
+fn detector_steps(name: &str, backend: &CountingBackend, refused: Option<u32>) -> usize {
+    let mut kept = detector_step(name, (4, 32 * 1024, 0), None, None);
+    for v in 1..3 {
+        kept = detector_step(name, (4, 32 * 1024, 2 * v), Some(kept), None);
+    }
+    let held = backend.outstanding_bytes();
+    backend.reset_peak();
+    for v in 3..9 {
+        let shape = (5 + v as usize % 3, 32 * 1024 - 64 * v as usize, 2 * v);
+        let refuse = (refused == Some(v)).then_some(backend);
+        kept = detector_step(name, shape, Some(kept), refuse);
+        if refuse.is_some() {
+            assert_eq!(backend.failures(), 1, "the growth was refused");
+        }
+    }
+    drop(kept);
+    held
+}
+
 /// A segmenting detector's step keeps two large outputs (Mask R-CNN's masks, an image each) until
 /// the next step's replace them, and leaves its plan before making them (its steps never come
 /// again), so they come from the block's gaps: together far past a 64th of the block, yet the
@@ -824,34 +871,7 @@ fn a_detectors_large_outputs_kept_into_the_next_step_keep_the_block() {
     let name = "unit-large-outputs-pinned";
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
-    // Chains of `n` maps of `len` elements, an output of 64 KiB after each; the last step's
-    // outputs (checked) drop at the end.
-    let step = |n: usize, len: usize, v: u32, last: Option<[Array<u32>; 2]>| -> [Array<u32>; 2] {
-        let _scope = crate::enter(name);
-        chain(std::iter::repeat_n(len, n));
-        let first = filled(16 * 1024, v);
-        chain(std::iter::repeat_n(len, n));
-        let second = filled(16 * 1024, v + 1);
-        if let Some(last) = last {
-            let ok = |a: &Array<u32>, v: u32| a.to_vec().unwrap().iter().all(|&e| e == v);
-            assert!(ok(&last[0], v - 2) && ok(&last[1], v - 1));
-        }
-        [first, second]
-    };
-    let mut kept = step(4, 32 * 1024, 0, None);
-    for v in 1..3 {
-        kept = step(4, 32 * 1024, 2 * v, Some(kept));
-    }
-    let held = backend.outstanding_bytes();
-    backend.reset_peak();
-    for v in 3..9 {
-        kept = step(
-            5 + v as usize % 3,
-            32 * 1024 - 64 * v as usize,
-            2 * v,
-            Some(kept),
-        );
-    }
+    let held = detector_steps(name, &backend, None);
     // Retired under the outputs every step, the block stayed beside the next one: 1.59x of the
     // bytes the steps that followed their plan held; kept under them, 1.39x (arrays that no
     // longer fit its gaps go apart).
@@ -860,7 +880,20 @@ fn a_detectors_large_outputs_kept_into_the_next_step_keep_the_block() {
         "{} bytes held at most, {held} before",
         backend.peak_bytes()
     );
-    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// The device refuses the growth of a block kept under a detector's outputs: the block is
+/// retired under them, as before, and the next step makes its own; every array keeps its values
+/// and every byte comes back.
+#[test]
+fn a_growth_under_a_detectors_outputs_the_device_refuses_retires_the_block() {
+    let name = "unit-large-outputs-refused";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    detector_steps(name, &backend, Some(3));
+    assert_eq!(backend.failures(), 1);
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }

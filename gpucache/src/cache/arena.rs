@@ -992,6 +992,16 @@ impl DeviceArena {
         }
     }
 
+    /// The plan the step that just ended left within its block: the step did not outgrow it,
+    /// was not served from it scaled nor allocated past the most positions, and no other stream
+    /// used the block (`tainted`), in which no array is alive. `None` otherwise.
+    fn left_within_block(&self, tainted: bool) -> Option<&Plan> {
+        let within = self.diverged && !self.outgrew && !self.scaled && !self.overflowed;
+        self.plan
+            .as_ref()
+            .filter(|p| within && !tainted && p.block.is_some() && !p.block_in_use())
+    }
+
     /// Whether the step that just ended left its plan within its block with no device
     /// allocation, after at least [`LEFT_IN_A_ROW`] steps in a row that left theirs: then it is
     /// not planned again. A detector's steps never come again (as many proposals as its images
@@ -1002,18 +1012,12 @@ impl DeviceArena {
     /// plan ends the run; so is a step whose plan was placed around arrays of an earlier step
     /// (pins: their bytes may be free now, and the plan made again uses them). Counts the run.
     fn settled_in_block(&mut self, tainted: bool, tail_alive: bool) -> bool {
-        let settled = self.diverged
-            && self.left_in_a_row >= LEFT_IN_A_ROW
+        let settled = self.left_in_a_row >= LEFT_IN_A_ROW
             && self.allocated == 0
-            && !self.outgrew
-            && !self.scaled
-            && !self.overflowed
-            && !tainted
             && !tail_alive
             && self
-                .plan
-                .as_ref()
-                .is_some_and(|p| p.block.is_some() && !p.block_in_use() && !p.around_pins);
+                .left_within_block(tainted)
+                .is_some_and(|p| !p.around_pins);
         self.left_in_a_row = if self.diverged {
             self.left_in_a_row.saturating_add(1)
         } else {
@@ -1032,19 +1036,10 @@ impl DeviceArena {
     /// switch of views every step. Its signature is remembered, so that a kind of step that
     /// comes again soon (steps that take turns, a new batch size from now on) is planned.
     fn served_unplanned(&mut self, tainted: bool) -> bool {
-        let fits = self.diverged
-            && !self.outgrew
-            && !self.replan
-            && !self.scaled
-            && !self.overflowed
-            && !tainted
-            && self.plan.as_ref().is_some_and(|p| {
-                p.block.is_some()
-                    && !p.block_in_use()
-                    && p.layout.footprint > {
-                        let peak = layout::peak_live(&self.record);
-                        peak + peak / 4
-                    }
+        let fits = !self.replan
+            && self.left_within_block(tainted).is_some_and(|p| {
+                let peak = layout::peak_live(&self.record);
+                p.layout.footprint > peak + peak / 4
             });
         if !fits {
             return false;

@@ -259,6 +259,7 @@ use crate::trace::record::{self, CellName, EventKind, Note};
 use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
+    view_size,
 };
 use device::{Awaiting, DeviceArena, Held, LooseAt, Pin, Plan, Shelved};
 use gaps::Gaps;
@@ -1911,7 +1912,7 @@ impl CacheState {
             {
                 // The step left its plan: the rest of it is served apart (and still matched
                 // with the plan's positions, for the next plan's sizes).
-                plan.layout.dropped(pos);
+                plan.layout.unserve(pos);
                 serve = Serve::Diverged;
             }
             a.record.push(Rec {
@@ -2083,7 +2084,7 @@ impl CacheState {
                     arena
                 }
                 None => {
-                    plan.layout.dropped(pos);
+                    plan.layout.unserve(pos);
                     a.awaiting = Some(Awaiting::Plan { pos, offset, rec });
                     return a.alloc(st, footprint, true);
                 }
@@ -2093,13 +2094,13 @@ impl CacheState {
             Ok(true) => {}
             Ok(false) => {
                 // The step goes apart and re-plans.
-                plan.layout.dropped(pos);
+                plan.layout.unserve(pos);
                 a.diverged = true;
                 a.awaiting = Some(Awaiting::Solo { pos: rec });
                 return a.alloc(st, aligned(req.bytes).unwrap_or(req.bytes), false);
             }
             Err(e) => {
-                plan.layout.dropped(pos);
+                plan.layout.unserve(pos);
                 return Planned::Failed(e);
             }
         }
@@ -2107,7 +2108,7 @@ impl CacheState {
         match plan.view(st, a.gauge, arena, (pos, offset), (req.bytes, size)) {
             Ok(view) => Planned::View(view, view_slot(pos), a.step),
             Err(e) => {
-                plan.layout.dropped(pos);
+                plan.layout.unserve(pos);
                 Planned::Failed(e)
             }
         }
@@ -2490,7 +2491,7 @@ impl CacheState {
             return Some(view);
         };
         let bytes = view.bytes();
-        let size = aligned(bytes).unwrap_or(bytes);
+        let size = view_size(bytes);
         if let Some(old) = kept.replace(view) {
             // SAFETY: a kept view was made by `Block::view`, and its block is alive.
             unsafe { old.drop_view() };
@@ -2499,7 +2500,7 @@ impl CacheState {
         unsafe { arena.as_ref() }.uncount_view();
         plan.in_use -= size;
         cached(st, a.gauge, size);
-        let rec = plan.layout.dropped(pos);
+        let rec = plan.layout.dropped_now(pos, a.tick);
         if let Some(r) = a.record.get_mut(rec as usize) {
             r.end = a.tick;
         }
@@ -2538,7 +2539,7 @@ impl CacheState {
                 counts.uncount_view();
                 // A block that is not retired is its plan's.
                 if let Some(plan) = &mut a.plan {
-                    let size = aligned(bytes).unwrap_or(bytes);
+                    let size = view_size(bytes);
                     plan.in_use -= size;
                     cached(st, a.gauge, size);
                     rec = if escaped && let Some(range) = plan.unpin(home) {
@@ -2588,7 +2589,7 @@ impl CacheState {
                             // Kept for the position's next array.
                             std::mem::swap(kept, &mut view);
                         }
-                        plan.layout.dropped(pos)
+                        plan.layout.dropped(pos, a.tick)
                     };
                 }
                 if let Some(view) = view.take() {

@@ -46,6 +46,15 @@ pub(in crate::cache) fn aligned(bytes: usize) -> Option<usize> {
     crate::planner::aligned(bytes)
 }
 
+/// [`aligned`] of a view's `bytes`, which its block holds (no block holds more than
+/// `isize::MAX` bytes, so the rounding cannot overflow): the drop's, without the check.
+#[inline(always)]
+pub(in crate::cache) fn view_size(bytes: usize) -> usize {
+    const MASK: usize = crate::planner::ALIGN - 1;
+    debug_assert!(bytes <= isize::MAX as usize);
+    (bytes + MASK) & !MASK
+}
+
 /// One block of an arena cache and the count of arrays bumped from it; the backend of its
 /// views.
 pub(in crate::cache) struct ArenaBlock {

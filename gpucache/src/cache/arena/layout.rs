@@ -166,6 +166,14 @@ pub(super) struct Layout {
     /// The entries of `by_end` before this one have been processed this step (their positions
     /// are overdue if they were still alive).
     ended: u32,
+    /// For each tick `t` (one more than there are positions): how many positions placed in the
+    /// block are planned to drop before the allocation at `t` (their end at most `t`).
+    due: Vec<u32>,
+    /// The step has so far served each position at its own tick, from the first, and no array
+    /// served this step dropped before its planned end ([`Layout::peek`]).
+    in_order: bool,
+    /// How many arrays served this step at their positions have dropped.
+    drops: u32,
     /// Positions alive past their planned end.
     overdue: Vec<u32>,
     /// Bytes of the block that arrays of earlier steps hold, which the plan was not placed
@@ -360,10 +368,20 @@ impl Layout {
             .map(|(k, s)| (s.end, k as u32))
             .collect();
         by_end.sort_unstable();
+        let mut due = vec![0; n as usize + 1];
+        for s in spots.iter().filter(|s| !s.apart) {
+            due[s.end as usize] += 1;
+        }
+        for t in 1..due.len() {
+            due[t] += due[t - 1];
+        }
         Layout {
             spots,
             by_end,
             ended: 0,
+            due,
+            in_order: true,
+            drops: 0,
             overdue: Vec::new(),
             blocked: Vec::new(),
             cursor: 0,
@@ -452,6 +470,14 @@ impl Layout {
     /// the plan's end is extra too.
     #[inline]
     pub(super) fn next(&mut self, size: usize, rec: u32) -> (Serve, u32) {
+        let got = self.match_next(size, rec);
+        // Served at a position of the block ([`Layout::serve`] tells whether in order) or not.
+        self.in_order &= matches!(got.0, Serve::At(_));
+        got
+    }
+
+    /// [`Layout::next`], but for the order of positions served.
+    fn match_next(&mut self, size: usize, rec: u32) -> (Serve, u32) {
         if rec == 0 {
             self.step_first = size;
         }
@@ -590,10 +616,19 @@ impl Layout {
     /// is the plain case (the next position is placed, fits, is free, and nothing is overdue),
     /// with nothing marked yet ([`Layout::take`] does, once the view exists); `None` otherwise,
     /// and [`Layout::next`] decides.
+    ///
+    /// While the step serves every position in order ([`Layout::in_order`]), the positions
+    /// planned to drop by now are all free when as many arrays dropped as [`Layout::due`] says:
+    /// each array that dropped did so at or after its planned end, so it is one of them. Else
+    /// the planned ends are walked up to now ([`Layout::tick_to`]).
     #[inline(always)]
     pub(super) fn peek(&mut self, size: usize) -> Option<(usize, u32)> {
         let c = self.cursor;
-        self.tick_to(c);
+        if !self.in_order {
+            self.tick_to(c);
+        } else if self.due.get(c as usize) != Some(&self.drops) {
+            return None;
+        }
         let s = self.spots.get(c as usize)?;
         (!s.apart
             && size <= s.size
@@ -607,6 +642,11 @@ impl Layout {
     /// Takes position `k`, which [`Layout::peek`] gave, for the allocation `rec` of the step.
     #[inline(always)]
     pub(super) fn take(&mut self, k: u32, rec: u32) {
+        // `k` is the cursor: a step served in order is at its own tick there.
+        debug_assert!(
+            !self.in_order || k == rec,
+            "served in order at another tick"
+        );
         self.cursor = k + 1;
         let s = &mut self.spots[k as usize];
         s.live = true;
@@ -618,15 +658,19 @@ impl Layout {
     /// allocation `rec` of the step); [`Serve::At`] marks it alive.
     #[inline]
     pub(super) fn serve(&mut self, k: u32, size: usize, rec: u32) -> Serve {
+        self.in_order &= k == rec;
         let s = &self.spots[k as usize];
         if size > s.size || s.live {
+            self.in_order = false;
             return Serve::Diverged;
         }
         let (lo, hi) = (s.offset, s.offset + s.size);
         if !self.overdue.is_empty() && self.overdue.iter().any(|&p| self.overlaps(p, lo, hi)) {
+            self.in_order = false;
             return Serve::Diverged;
         }
         if self.blocked.iter().any(|r| r.start < hi && lo < r.end) {
+            self.in_order = false;
             return Serve::Blocked;
         }
         let offset = s.offset;
@@ -643,10 +687,40 @@ impl Layout {
         s.offset < hi && lo < s.offset + s.size
     }
 
-    /// The array at position `k`, served from the plan, dropped: its bytes are free. Returns
-    /// the index in the record of the allocation served there last.
+    /// The array at position `k`, served from the plan, dropped at tick `tick` of the step: its
+    /// bytes are free. Returns the index in the record of the allocation served there last.
     #[inline]
-    pub(super) fn dropped(&mut self, k: u32) -> u32 {
+    pub(super) fn dropped(&mut self, k: u32, tick: u32) -> u32 {
+        let served_now = self
+            .spots
+            .get(k as usize)
+            .is_some_and(|s| s.live && s.epoch == self.epoch);
+        if served_now {
+            self.dropped_now(k, tick)
+        } else {
+            self.freed(k)
+        }
+    }
+
+    /// [`Layout::dropped`] of an array that position `k` served this step, alive until now (its
+    /// position is taken until it drops: no other array of the step was served there, and a
+    /// position freed otherwise, by [`Layout::clear_live`] or [`Layout::unserve`], took the step
+    /// out of order first).
+    #[inline(always)]
+    pub(super) fn dropped_now(&mut self, k: u32, tick: u32) -> u32 {
+        let Some(s) = self.spots.get(k as usize) else {
+            return NONE;
+        };
+        debug_assert!(s.live && s.epoch == self.epoch, "not an array of this step");
+        self.drops += 1;
+        self.in_order &= tick >= s.end;
+        self.freed(k)
+    }
+
+    /// Position `k`'s bytes are free. Returns the index in the record of the allocation served
+    /// there last.
+    #[inline(always)]
+    fn freed(&mut self, k: u32) -> u32 {
         let Some(s) = self.spots.get_mut(k as usize) else {
             return NONE;
         };
@@ -658,9 +732,18 @@ impl Layout {
         s.rec
     }
 
+    /// Position `k`, just served ([`Layout::serve`]), does not hold the allocation after all (the
+    /// step left its plan, or its view or block could not be made): its bytes are free, and
+    /// the step no longer serves its positions in order.
+    pub(super) fn unserve(&mut self, k: u32) {
+        self.in_order = false;
+        self.freed(k);
+    }
+
     /// Forgets which positions and bytes are taken, when no array of the block is alive (a plan
     /// switched in may have positions marked taken from the last step it was used in).
     pub(super) fn clear_live(&mut self) {
+        self.in_order = false;
         for s in &mut self.spots {
             s.live = false;
             s.overdue = false;
@@ -965,7 +1048,7 @@ impl Layout {
     /// again. Views kept for its positions must have gone loose before (they were made at the
     /// offsets this step placed them at).
     pub(super) fn whole_again(&mut self) {
-        if self.spots.iter().any(|s| s.live && !s.apart) {
+        if self.whole.is_none() || self.spots.iter().any(|s| s.live && !s.apart) {
             return;
         }
         let Some(whole) = self.whole.take() else {
@@ -1083,13 +1166,28 @@ impl Layout {
     /// step's positions over it until it drops). Returns whether the step matched the plan with
     /// no position skipped, to its end or to a position before it (a prefix of the recorded
     /// step: an evaluation step after a training step that begins as it does).
+    ///
+    /// A step that served its positions in order, every one of its arrays dropped, leaves
+    /// nothing to look at: a position alive from an earlier step was made overdue when that
+    /// step ended.
     pub(super) fn end_step(&mut self) -> bool {
-        for (p, s) in self.spots.iter_mut().enumerate() {
-            s.make_overdue(p as u32, &mut self.overdue);
+        if !self.in_order || self.drops != self.cursor {
+            for (p, s) in self.spots.iter_mut().enumerate() {
+                s.make_overdue(p as u32, &mut self.overdue);
+            }
         }
+        debug_assert!(
+            self.spots
+                .iter()
+                .enumerate()
+                .all(|(p, s)| !s.live || s.overdue && self.overdue.contains(&(p as u32))),
+            "a position alive at the step's end is not overdue"
+        );
         let followed = !self.skipped && self.cursor > 0;
         self.cursor = 0;
         self.ended = 0;
+        self.in_order = true;
+        self.drops = 0;
         self.skipped = false;
         self.epoch = self.epoch.wrapping_add(1);
         followed
@@ -1120,6 +1218,51 @@ mod tests {
         vec![rec(256, 2), rec(512, 3), rec(256, 4), rec(256, OPEN)]
     }
 
+    /// The hit path: the next position's offset, taken for allocation `rec`, if it is the plain
+    /// case.
+    fn hit(l: &mut Layout, size: usize, rec: u32) -> Option<usize> {
+        let (offset, k) = l.peek(size)?;
+        l.take(k, rec);
+        Some(offset)
+    }
+
+    #[test]
+    fn a_step_served_in_order_frees_a_position_once_its_planned_drops_came() {
+        // a [0,2) b [1,3) c [2,4): c is planned over a.
+        let record = [rec(256, 2), rec(512, 3), rec(256, 4)];
+        let mut l = Layout::new(&record, None);
+        for round in 0..3 {
+            assert_eq!(l.next(256, 0).0, Serve::At(l.spot(0).0), "round {round}");
+            assert_eq!(hit(&mut l, 512, 1), Some(l.spot(1).0));
+            // Tick 2: a is due and alive; c, over it, is not handed out.
+            assert_eq!(l.peek(256), None, "round {round}");
+            l.dropped_now(0, 2);
+            assert_eq!(hit(&mut l, 256, 2), Some(l.spot(0).0), "round {round}");
+            l.dropped_now(1, 3);
+            l.dropped_now(2, 3);
+            assert!(l.in_order, "round {round}");
+            assert!(l.end_step());
+        }
+    }
+
+    #[test]
+    fn an_array_dropped_before_its_planned_end_leaves_the_order_to_the_ends() {
+        // b dropped at tick 2, before its planned end (3): the count of drops no longer tells
+        // which are due, and a, alive past its end, still keeps c off its bytes.
+        let record = [rec(256, 2), rec(512, 3), rec(256, 4)];
+        let mut l = Layout::new(&record, None);
+        assert!(matches!(l.next(256, 0).0, Serve::At(_)));
+        assert!(hit(&mut l, 512, 1).is_some());
+        l.dropped_now(1, 2);
+        assert!(!l.in_order);
+        assert_eq!(l.peek(256), None, "a is overdue");
+        l.dropped_now(0, 2);
+        assert_eq!(hit(&mut l, 256, 2), Some(l.spot(0).0));
+        l.dropped_now(2, 3);
+        assert!(l.end_step());
+        assert!(l.in_order, "a new step starts in order");
+    }
+
     fn at(l: &mut Layout, size: usize) -> Option<usize> {
         match l.next(size, 0).0 {
             Serve::At(o) => Some(o),
@@ -1135,14 +1278,14 @@ mod tests {
         for round in 0..3 {
             let a = at(&mut l, 256);
             let b = at(&mut l, 512);
-            l.dropped(0);
+            l.dropped(0, 2);
             let c = at(&mut l, 200);
             assert!(a.is_some() && b.is_some());
             assert_eq!(a, c, "round {round}");
             assert_ne!(a, b);
             assert_eq!(l.next(300, 3), (Serve::Apart, 3));
-            l.dropped(1);
-            l.dropped(2);
+            l.dropped(1, 4);
+            l.dropped(2, 4);
             assert!(l.end_step());
         }
     }
@@ -1177,8 +1320,8 @@ mod tests {
         assert!(at(&mut l, 512).is_some());
         // a is still alive at tick 2: c, planned over it, is not served there.
         assert_eq!(l.next(256, 2), (Serve::Diverged, 2));
-        l.dropped(0);
-        l.dropped(1);
+        l.dropped(0, 3);
+        l.dropped(1, 3);
         l.end_step();
         // Next step: nothing is alive, all served.
         assert!(at(&mut l, 256).is_some());
@@ -1189,14 +1332,14 @@ mod tests {
         let mut l = Layout::new(&step(), None);
         assert!(at(&mut l, 256).is_some());
         assert!(at(&mut l, 512).is_some());
-        l.dropped(1);
+        l.dropped(1, 2);
         // a (position 0) is overdue: c over it diverges.
         assert_eq!(l.next(256, 2).0, Serve::Diverged);
         l.end_step();
         // a escaped the step: positions 0 and 2 (same bytes) are taken; b is not.
         assert_eq!(l.next(256, 0).0, Serve::Diverged);
         assert!(at(&mut l, 512).is_some());
-        l.dropped(0);
+        l.dropped(0, 2);
         assert!(at(&mut l, 256).is_some());
     }
 
@@ -1293,7 +1436,7 @@ mod tests {
         };
         let mut l = Layout::new(&first_step(2), None);
         assert!(at(&mut l, 256).is_some());
-        l.dropped(0);
+        l.dropped(0, 1);
         // The next step's temporaries are as large as the state's arrays, but the run of eight
         // apart is skipped: they take the placed positions after it.
         for (k, &p) in params.iter().enumerate() {
@@ -1302,7 +1445,7 @@ mod tests {
                 matches!(serve, Serve::At(_)) && pos == 9 + k as u32,
                 "{k}: {pos}"
             );
-            l.dropped(pos);
+            l.dropped(pos, 2 + k as u32);
         }
         assert!(l.skipped);
         // Four apart in a row (a layer's keys and values): matched as they are.
@@ -1380,7 +1523,7 @@ mod tests {
         assert_eq!(l.next(65536, 1).1, 2, "the scalar's position is skipped");
         assert_eq!(l.next(65536, 2).1, 3);
         for k in [0, 2, 3] {
-            l.dropped(k);
+            l.dropped(k, 3);
         }
         assert!(
             l.end_step(),
@@ -1606,7 +1749,7 @@ mod tests {
         let mut l = Layout::new(&record, None);
         assert!(at(&mut l, 256).is_some());
         assert!(l.held_long(1), "a ends at 4, past 1 + 17/8");
-        l.dropped(0);
+        l.dropped(0, 1);
         assert!(at(&mut l, 256).is_some());
         assert!(!l.held_long(1), "b ends at 3");
     }

@@ -475,6 +475,13 @@ impl CudaBuf {
         Ok(CudaBuf::new(slice, base, true, stream))
     }
 
+    /// Whether the current owner was used on `other`'s stream alone: [`CudaBuf::hand_marks_to`]
+    /// would hand `other` nothing. (The same `Arc`: a stream wrapped twice is told apart there.)
+    #[inline]
+    pub(crate) fn used_on_stream_of(&mut self, other: &CudaBuf) -> bool {
+        self.marked.get_mut().is_empty() && Arc::ptr_eq(&self.stream, &other.stream)
+    }
+
     /// A view's owner dropped: its marked streams, and its own stream if it is not the
     /// parent's, become marks of `parent`, recorded when the parent's owner ends its use.
     /// Returns whether there were any (the view was used on a stream other than the parent's).

@@ -2802,9 +2802,17 @@ impl CacheCell {
         let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };
+        // A device view used on its block's stream alone (the common case) has no marks to hand
+        // to the block.
         #[cfg(feature = "cuda")]
-        if view.cuda().is_some() {
-            return Self::send_cuda_view_home(home, view, arena, current);
+        let mut view = view;
+        #[cfg(feature = "cuda")]
+        if let Some(v) = view.cuda_mut() {
+            // SAFETY: the block is alive while a view of it is.
+            let block = unsafe { arena.as_ref() }.block.cuda();
+            if !block.is_some_and(|b| v.used_on_stream_of(b)) {
+                return Self::send_cuda_view_home(home, view, arena, current);
+            }
         }
         Self::view_home((home, view), arena, current, false);
     }

@@ -14,7 +14,8 @@
 //! And `step/*`: a step of 560 arrays (256 B to 16 KiB, each dropped eight allocations later, as
 //! a chain of layers) in a warm cache, per array: `planned` (the default, `KeyPolicy::Planned`),
 //! against `exact_immediate` (exact keys, `Reuse::Immediate`: a free-list hit, recycled at
-//! once), on the GPU and on the CPU backend of the same host, to tell the planned path's
+//! once) and `exact_on_exit` (exact keys, recycled when the step ends: the default before
+//! planned caches), on the GPU and on the CPU backend of the same host, to tell the planned path's
 //! device-specific cost from its bookkeeping.
 
 use std::collections::VecDeque;
@@ -116,6 +117,7 @@ fn bench_step(c: &mut Criterion) {
         for (label, key, reuse) in [
             ("planned", KeyPolicy::Planned, Reuse::OnExit),
             ("exact_immediate", KeyPolicy::Exact, Reuse::Immediate),
+            ("exact_on_exit", KeyPolicy::Exact, Reuse::OnExit),
         ] {
             let name = format!("bench_step_{on}_{label}");
             gpucache::configure(

@@ -273,6 +273,9 @@ const MAX_SMALL_SPARES: usize = 64;
 /// not planned (a scope that never exits must not grow its record without bound).
 const MAX_POSITIONS: u32 = 1 << 20;
 
+// A plan has at most `MAX_POSITIONS` positions: a slot at or past `GAP_BASE` is never one.
+const _: () = assert!(MAX_POSITIONS < GAP_BASE);
+
 /// The most plans of other kinds of step a device keeps besides its current one. With three,
 /// EfficientNet trained on a varying batch (cuDNN's algorithms, and with them the step's
 /// structure, change with the batch) and replayed longer in shuffled orders held up to 1.719x of
@@ -935,6 +938,20 @@ fn capturing() -> bool {
     return backend::capture::capturing();
     #[cfg(not(feature = "cuda"))]
     false
+}
+
+/// [`DeviceArena::settle_record`] of `record`, the step's record up to tick `tick`, whose
+/// allocations past its end were served in order from `layout` (the `k`-th at position `k`).
+#[inline]
+fn settle_record(record: &mut Vec<Rec>, tick: u32, layout: &Layout) {
+    for k in record.len() as u32..tick {
+        let (bytes, end) = layout.served(k);
+        record.push(Rec {
+            bytes,
+            end,
+            planned: k,
+        });
+    }
 }
 
 /// The `slot` of the home of an array at `pos`.
@@ -1627,6 +1644,7 @@ impl DeviceArena {
 
     /// Drops the plan (its block detached). Returns whether the block was retired.
     fn drop_plan(&mut self, st: &Counters) -> bool {
+        self.settle_record();
         self.shelf.clear();
         let Some(mut plan) = self.plan.take() else {
             return false;
@@ -1638,13 +1656,33 @@ impl DeviceArena {
             .is_some_and(|(b, in_use)| self.detach(st, b, in_use, false))
     }
 
+    /// Writes into the step's record the allocations the hit path served in order and left in
+    /// their positions ([`Layout::take`]): the record is read only after this.
+    #[inline]
+    fn settle_record(&mut self) {
+        if let Some(plan) = &self.plan {
+            settle_record(&mut self.record, self.tick, &plan.layout);
+        }
+        debug_assert_eq!(
+            self.record.len() as u32,
+            self.tick.min(MAX_POSITIONS),
+            "allocations missing from the record"
+        );
+    }
+
     /// The step ended: plans it again if it left its plan (keeping the block when it fits the
     /// new plan and no array uses it, or only arrays it may pin), and gives back the spares that
     /// a whole step did not use.
     /// Returns the number of blocks retired.
     fn end_step(&mut self, st: &Counters) -> usize {
+        // The record is read when the step left its plan or changed it; a step that followed its
+        // plan in order leaves its allocations in their positions, and the record unwritten.
+        let in_order = self.plan.as_ref().is_some_and(|p| p.layout.in_order);
+        if !in_order || self.diverged || self.replan || self.scaled || self.overflowed {
+            self.settle_record();
+        }
         let mut retired = 0;
-        let n = self.record.len();
+        let n = self.tick;
         let mut followed = false;
         if let Some(plan) = &mut self.plan {
             plan.settle_remote_drops(st, self.gauge);
@@ -1699,6 +1737,7 @@ impl DeviceArena {
         } else if self.overflowed {
             retired += usize::from(self.drop_plan(st));
         } else if n > 0 && (self.diverged || self.replan || tail_alive || !followed) && !kept {
+            self.settle_record();
             let old = self.plan.take();
             let same = old.as_ref().is_none_or(|p| {
                 p.layout.same_kind(&self.record) && !self.recurs_reordered(&p.layout)
@@ -1893,6 +1932,7 @@ impl CacheState {
             return Planned::Bypass;
         };
         let a = &mut self.arenas.devices[i];
+        a.settle_record();
         let rec = a.tick;
         let mut capacity = size;
         if rec >= MAX_POSITIONS {
@@ -2200,7 +2240,10 @@ impl CacheState {
         // Not ready at a step's first allocation (made ready there, on the slow path, which
         // also picks the plan among the shelved ones).
         debug_assert!(a.tick != 0 || !plan.ready);
-        let arena = plan.block.filter(|_| plan.ready)?;
+        if !plan.ready {
+            return None;
+        }
+        let arena = plan.block?;
         let size = aligned(req.bytes)?;
         let (offset, pos) = plan.layout.peek(size)?;
         let view = plan
@@ -2208,12 +2251,17 @@ impl CacheState {
             .ok()?;
         let rec = a.tick;
         a.tick = rec + 1;
-        a.record.push(Rec {
-            bytes: size,
-            end: OPEN,
-            planned: pos,
-        });
-        plan.layout.take(pos, rec);
+        // In order, the allocation's entry in the record stays in its position until read
+        // ([`DeviceArena::settle_record`]).
+        if !plan.layout.in_order {
+            settle_record(&mut a.record, rec, &plan.layout);
+            a.record.push(Rec {
+                bytes: size,
+                end: OPEN,
+                planned: pos,
+            });
+        }
+        plan.layout.take(pos, rec, size);
         add(&st.hits, 1);
         Some((view, view_slot(pos), a.step))
     }
@@ -2478,12 +2526,12 @@ impl CacheState {
         };
         // The plan's block, not retired (a plan's block is retired only once out of the plan),
         // and an array of this step (an escaped one may be pinned) at a position of the plan
-        // (not from the gaps, which are closed).
+        // (not from the gaps, which are closed; a position at or past `GAP_BASE` is past the
+        // positions of any plan, `MAX_POSITIONS`, and has no view kept).
         if plan.block != Some(arena)
             || home.generation != a.step
             || a.diverged
             || plan.gaps.is_some()
-            || pos >= GAP_BASE
         {
             return Some(view);
         }
@@ -2533,6 +2581,7 @@ impl CacheState {
         };
         if let Some(i) = i {
             let a = &mut self.arenas.devices[i];
+            a.settle_record();
             escaped = home.generation != a.step;
             let mut rec = pos;
             if !counts.is_retired() {

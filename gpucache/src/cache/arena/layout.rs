@@ -111,6 +111,11 @@ struct Spot {
     rec: u32,
     /// The [`Layout::epoch`] of the step that served it last.
     epoch: u32,
+    /// The aligned size of the array served here last by [`Layout::take`], and the tick it
+    /// dropped at ([`OPEN`] while alive, or dropped elsewhere than [`Layout::dropped_now`]):
+    /// its entry in the step's record until written there ([`Layout::served`]).
+    got: usize,
+    gone: u32,
 }
 
 impl Spot {
@@ -171,7 +176,7 @@ pub(super) struct Layout {
     due: Vec<u32>,
     /// The step has so far served each position at its own tick, from the first, and no array
     /// served this step dropped before its planned end ([`Layout::peek`]).
-    in_order: bool,
+    pub(super) in_order: bool,
     /// How many arrays served this step at their positions have dropped.
     drops: u32,
     /// Positions alive past their planned end.
@@ -349,6 +354,8 @@ impl Layout {
                     overdue: false,
                     rec: NONE,
                     epoch: 0,
+                    got: 0,
+                    gone: OPEN,
                 }
             })
             .collect();
@@ -639,9 +646,10 @@ impl Layout {
         .then_some((s.offset, c))
     }
 
-    /// Takes position `k`, which [`Layout::peek`] gave, for the allocation `rec` of the step.
+    /// Takes position `k`, which [`Layout::peek`] gave, for the allocation `rec` of the step,
+    /// of `size` aligned bytes.
     #[inline(always)]
-    pub(super) fn take(&mut self, k: u32, rec: u32) {
+    pub(super) fn take(&mut self, k: u32, rec: u32, size: usize) {
         // `k` is the cursor: a step served in order is at its own tick there.
         debug_assert!(
             !self.in_order || k == rec,
@@ -652,6 +660,17 @@ impl Layout {
         s.live = true;
         s.rec = rec;
         s.epoch = self.epoch;
+        s.got = size;
+        s.gone = OPEN;
+    }
+
+    /// The entry in the step's record of the allocation that position `k` served last through
+    /// [`Layout::take`]: its aligned size and the tick it dropped at ([`OPEN`] if it has not
+    /// dropped through [`Layout::dropped_now`]).
+    pub(super) fn served(&self, k: u32) -> (usize, u32) {
+        self.spots
+            .get(k as usize)
+            .map_or((0, OPEN), |s| (s.got, s.gone))
     }
 
     /// Whether position `k` of `size` aligned bytes may be served at its offset now (for the
@@ -708,12 +727,13 @@ impl Layout {
     /// out of order first).
     #[inline(always)]
     pub(super) fn dropped_now(&mut self, k: u32, tick: u32) -> u32 {
-        let Some(s) = self.spots.get(k as usize) else {
+        let Some(s) = self.spots.get_mut(k as usize) else {
             return NONE;
         };
         debug_assert!(s.live && s.epoch == self.epoch, "not an array of this step");
-        self.drops += 1;
+        s.gone = tick;
         self.in_order &= tick >= s.end;
+        self.drops += 1;
         self.freed(k)
     }
 
@@ -1222,7 +1242,7 @@ mod tests {
     /// case.
     fn hit(l: &mut Layout, size: usize, rec: u32) -> Option<usize> {
         let (offset, k) = l.peek(size)?;
-        l.take(k, rec);
+        l.take(k, rec, size);
         Some(offset)
     }
 

@@ -230,11 +230,11 @@
 //!   [`Reuse`] does not apply.
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held
-//! over the peak live bytes is 1.08x on GPT-2 training, 1.005x on ResNet-50 training, 1.07x on
-//! ViT-S/16 training; 1.09x, 1.01x and 1.05x on BERT (two attention kernels) and GPT-2 whose
-//! sequence length varies every batch; 1.04x, 1.05x, 1.09x and 1.09x on EfficientNet,
-//! ConvNeXt, ResNet-18 and ViT-B whose batch varies every step; 1.23x on GPT-2 decoding; and
-//! 1.40x and 1.34x on Llama-style and OPT servers alternating prompts and decoding. Exact keys
+//! over the peak live bytes is 1.000x on GPT-2 training, 1.005x on ResNet-50 training, 1.001x on
+//! ViT-S/16 and T5 training; 1.013x, 1.007x and 1.016x on BERT (two attention kernels) and GPT-2
+//! whose sequence length varies every batch; 1.040x, 1.040x, 1.004x and 1.016x on EfficientNet,
+//! ConvNeXt, ResNet-18 and ViT-B whose batch varies every step; 1.037x on GPT-2 decoding; and
+//! 1.27x and 1.24x on Llama-style and OPT servers alternating prompts and decoding. Exact keys
 //! with [`Reuse::OnExit`] hold 2.4x to 106x there, CUDA's stream-ordered pool 1.02x to 1.82x.
 //!
 //! ## Choosing a key policy

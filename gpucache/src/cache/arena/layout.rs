@@ -49,6 +49,12 @@ const MAX_SKIP: u32 = 256;
 /// size (an optimizer's state, made in the first step only): see [`Layout::skips_run`].
 const STATE_RUN: u32 = 8;
 
+/// The most positions such a run may hold: Adam's state of 8192 parameter tensors. (Within
+/// [`MAX_SKIP`], T5-small's 262, two for each of its 131 tensors, were matched one by one with
+/// the next step's temporaries of its optimizer, which all went apart: 132 device allocations
+/// in its second step, and 1.086x of its peak live bytes; 1.001x with the run skipped whole.)
+const MAX_STATE_RUN: u32 = 1 << 14;
+
 /// Arrays of at most this many aligned bytes are *small*: a scalar, a few indices. How many a
 /// step makes varies where its larger arrays' do not (cuDNN's empty workspaces, a loss's
 /// reductions, the shapes of a batch): one more or one fewer shifts every later allocation
@@ -602,7 +608,7 @@ impl Layout {
     }
 
     /// The position past the run of positions apart that begins at `c`, when the run is long
-    /// (at least [`STATE_RUN`], none recurring, ending within [`MAX_SKIP`]) and the position
+    /// (at least [`STATE_RUN`], none recurring, ending within [`MAX_STATE_RUN`]) and the position
     /// after it is placed, near `size` and fits it: the recorded step made arrays there that
     /// this one does not, however like this allocation's their sizes are. A training step's
     /// first step makes its optimizer's state in the middle of the step, one or two arrays the
@@ -611,7 +617,7 @@ impl Layout {
     /// apart. A cache of keys and values comes one or two arrays at a time between a layer's
     /// scratch (too short a run), and recurs once matched.
     fn skips_run(&self, c: u32, size: usize) -> Option<u32> {
-        let hi = (c.saturating_add(MAX_SKIP) as usize).min(self.spots.len());
+        let hi = (c.saturating_add(MAX_STATE_RUN) as usize).min(self.spots.len());
         let after = self.spots.get(c as usize..hi)?;
         let run = after.iter().position(|s| !s.is_state())?;
         let s = &after[run];
@@ -1472,6 +1478,35 @@ mod tests {
         let mut l = Layout::new(&first_step(1), None);
         assert!(at(&mut l, 256).is_some());
         assert_eq!(l.next(4096, 1), (Serve::Apart, 1));
+    }
+
+    #[test]
+    fn an_optimizer_state_longer_than_a_skip_is_skipped_whole() {
+        // Adam's state of 150 parameters (300 arrays apart, past `MAX_SKIP`), then the first
+        // step's temporaries of the optimizer, as large as the state's arrays.
+        let params: Vec<usize> = (0..150).map(|k| 1024 << (k % 3)).collect();
+        let mut first = vec![rec(256, 1)];
+        for &p in &params {
+            first.extend([rec(p, OPEN), rec(p, OPEN)]);
+        }
+        let n = first.len() as u32;
+        first.extend(
+            params
+                .iter()
+                .enumerate()
+                .map(|(k, &p)| rec(p, n + k as u32 + 1)),
+        );
+        assert!(n > 1 + MAX_SKIP);
+        let mut l = Layout::new(&first, None);
+        assert!(at(&mut l, 256).is_some());
+        l.dropped(0, 1);
+        // The next step's temporaries take the placed positions after the state, in order.
+        for (k, &p) in params.iter().enumerate() {
+            let (serve, pos) = l.next(p, 1 + k as u32);
+            assert!(matches!(serve, Serve::At(_)), "{k}: {serve:?}");
+            assert_eq!(pos, n + k as u32, "{k}");
+            l.dropped(pos, 2 + k as u32);
+        }
     }
 
     #[test]

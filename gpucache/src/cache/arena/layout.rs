@@ -1441,53 +1441,12 @@ mod tests {
         assert_eq!(once.next(600, 0), (Serve::At(0), 1));
     }
 
-    #[test]
-    fn a_long_run_apart_is_skipped_for_the_placed_position_after_it() {
-        // A first training step: scratch, then its optimizer's state (two arrays the size of
-        // each of four parameters, apart), then temporaries the size of each parameter.
-        let params = [4096, 1024, 4096, 2048];
-        let first_step = |state_per_param: usize| {
-            let mut first = vec![rec(256, 1)];
-            for &p in &params {
-                first.extend((0..state_per_param).map(|_| rec(p, OPEN)));
-            }
-            let n = first.len() as u32;
-            first.extend(
-                params
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &p)| rec(p, n + k as u32 + 1)),
-            );
-            first
-        };
-        let mut l = Layout::new(&first_step(2), None);
-        assert!(at(&mut l, 256).is_some());
-        l.dropped(0, 1);
-        // The next step's temporaries are as large as the state's arrays, but the run of eight
-        // apart is skipped: they take the placed positions after it.
-        for (k, &p) in params.iter().enumerate() {
-            let (serve, pos) = l.next(p, 1 + k as u32);
-            assert!(
-                matches!(serve, Serve::At(_)) && pos == 9 + k as u32,
-                "{k}: {pos}"
-            );
-            l.dropped(pos, 2 + k as u32);
-        }
-        assert!(l.skipped);
-        // Four apart in a row (a layer's keys and values): matched as they are.
-        let mut l = Layout::new(&first_step(1), None);
-        assert!(at(&mut l, 256).is_some());
-        assert_eq!(l.next(4096, 1), (Serve::Apart, 1));
-    }
-
-    #[test]
-    fn an_optimizer_state_longer_than_a_skip_is_skipped_whole() {
-        // Adam's state of 150 parameters (300 arrays apart, past `MAX_SKIP`), then the first
-        // step's temporaries of the optimizer, as large as the state's arrays.
-        let params: Vec<usize> = (0..150).map(|k| 1024 << (k % 3)).collect();
+    /// A first training step: scratch, then its optimizer's state (`state_per_param` arrays the
+    /// size of each parameter, apart), then temporaries the size of each parameter.
+    fn first_training_step(params: &[usize], state_per_param: usize) -> Vec<Rec> {
         let mut first = vec![rec(256, 1)];
-        for &p in &params {
-            first.extend([rec(p, OPEN), rec(p, OPEN)]);
+        for &p in params {
+            first.extend((0..state_per_param).map(|_| rec(p, OPEN)));
         }
         let n = first.len() as u32;
         first.extend(
@@ -1496,17 +1455,45 @@ mod tests {
                 .enumerate()
                 .map(|(k, &p)| rec(p, n + k as u32 + 1)),
         );
-        assert!(n > 1 + MAX_SKIP);
-        let mut l = Layout::new(&first, None);
-        assert!(at(&mut l, 256).is_some());
+        first
+    }
+
+    /// The next step's scratch, then its temporaries, as large as the state's arrays: each
+    /// takes the placed position `from + k` past the state.
+    fn temporaries_skip_the_state(l: &mut Layout, params: &[usize], from: u32) {
+        assert!(at(l, 256).is_some());
         l.dropped(0, 1);
-        // The next step's temporaries take the placed positions after the state, in order.
         for (k, &p) in params.iter().enumerate() {
             let (serve, pos) = l.next(p, 1 + k as u32);
-            assert!(matches!(serve, Serve::At(_)), "{k}: {serve:?}");
-            assert_eq!(pos, n + k as u32, "{k}");
+            assert!(
+                matches!(serve, Serve::At(_)) && pos == from + k as u32,
+                "{k}: {serve:?} at {pos}"
+            );
             l.dropped(pos, 2 + k as u32);
         }
+    }
+
+    #[test]
+    fn a_long_run_apart_is_skipped_for_the_placed_position_after_it() {
+        // Two arrays of state for each of four parameters: the run of eight apart is skipped.
+        let params = [4096, 1024, 4096, 2048];
+        let mut l = Layout::new(&first_training_step(&params, 2), None);
+        temporaries_skip_the_state(&mut l, &params, 9);
+        assert!(l.skipped);
+        // Four apart in a row (a layer's keys and values): matched as they are.
+        let mut l = Layout::new(&first_training_step(&params, 1), None);
+        assert!(at(&mut l, 256).is_some());
+        assert_eq!(l.next(4096, 1), (Serve::Apart, 1));
+    }
+
+    #[test]
+    fn an_optimizer_state_longer_than_a_skip_is_skipped_whole() {
+        // Adam's state of 150 parameters: 300 arrays apart, past `MAX_SKIP`.
+        let params: Vec<usize> = (0..150).map(|k| 1024 << (k % 3)).collect();
+        let state = 1 + 2 * params.len() as u32;
+        assert!(state > 1 + MAX_SKIP);
+        let mut l = Layout::new(&first_training_step(&params, 2), None);
+        temporaries_skip_the_state(&mut l, &params, state);
     }
 
     #[test]

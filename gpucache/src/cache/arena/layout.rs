@@ -1074,10 +1074,11 @@ impl Layout {
     /// again. Views kept for its positions must have gone loose before (they were made at the
     /// offsets this step placed them at).
     pub(super) fn whole_again(&mut self) {
-        if self.whole.is_none() || self.spots.iter().any(|s| s.live && !s.apart) {
-            return;
-        }
-        let Some(whole) = self.whole.take() else {
+        let spots = &self.spots;
+        let Some(whole) = self
+            .whole
+            .take_if(|_| !spots.iter().any(|s| s.live && !s.apart))
+        else {
             return;
         };
         for (k, offset, size) in whole.spots {

@@ -683,19 +683,23 @@ impl Layout {
     /// allocation `rec` of the step); [`Serve::At`] marks it alive.
     #[inline]
     pub(super) fn serve(&mut self, k: u32, size: usize, rec: u32) -> Serve {
-        self.in_order &= k == rec;
+        let got = self.serve_at(k, size, rec);
+        // In order while each allocation is served at the position of its own tick.
+        self.in_order &= k == rec && matches!(got, Serve::At(_));
+        got
+    }
+
+    /// [`Layout::serve`], but for the order of positions served.
+    fn serve_at(&mut self, k: u32, size: usize, rec: u32) -> Serve {
         let s = &self.spots[k as usize];
         if size > s.size || s.live {
-            self.in_order = false;
             return Serve::Diverged;
         }
         let (lo, hi) = (s.offset, s.offset + s.size);
         if !self.overdue.is_empty() && self.overdue.iter().any(|&p| self.overlaps(p, lo, hi)) {
-            self.in_order = false;
             return Serve::Diverged;
         }
         if self.blocked.iter().any(|r| r.start < hi && lo < r.end) {
-            self.in_order = false;
             return Serve::Blocked;
         }
         let offset = s.offset;

@@ -455,6 +455,44 @@ struct Placed {
     life: Lifetime,
 }
 
+/// Offsets for `lives` in a block where the arrays `placed` (each with its lifetime, at its
+/// offset) already are: each of `lives` largest first, best fit, among the arrays of both whose
+/// lifetimes meet its own (no other order tried). The footprint counts both. For the rest of a
+/// step placed again around the arrays the step made so far, which live on to their own ends.
+///
+/// ```
+/// use gpucache::planner::{Lifetime, greedy_by_size_among};
+/// let early = Lifetime { bytes: 512, start: 0, end: 4 };
+/// let lives = [
+///     Lifetime { bytes: 256, start: 2, end: 5 },
+///     Lifetime { bytes: 512, start: 4, end: 6 },
+/// ];
+/// // The first meets `early` and goes above it; the second comes when `early` has ended.
+/// let plan = greedy_by_size_among(&lives, &[(early, 0)]);
+/// assert_eq!(plan.offsets, [512, 0]);
+/// assert_eq!(plan.footprint, 768);
+/// ```
+pub fn greedy_by_size_among(lives: &[Lifetime], placed: &[(Lifetime, usize)]) -> Plan {
+    let all: Vec<Lifetime> = placed
+        .iter()
+        .map(|&(l, _)| l)
+        .chain(lives.iter().copied())
+        .collect();
+    let n = placed.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.extend(
+        heaviest_first(lives, |l| l.bytes as u128)
+            .into_iter()
+            .map(|i| i + n),
+    );
+    let at: Vec<usize> = placed.iter().map(|&(_, at)| at).collect();
+    let plan = place_after(&all, &order, &Overlaps::of(&all), true, &[], &at);
+    Plan {
+        offsets: plan.offsets[n..].to_vec(),
+        footprint: plan.footprint,
+    }
+}
+
 /// Places `lives` in `order`, each at the smallest gap that holds it (`best_fit`) or the lowest
 /// (first fit) among the arrays placed whose lifetimes overlap its own and the ranges `fixed`
 /// (taken throughout), else above them.
@@ -464,6 +502,18 @@ fn place(
     overlaps: &Overlaps,
     best_fit: bool,
     fixed: &[Range<usize>],
+) -> Plan {
+    place_after(lives, order, overlaps, best_fit, fixed, &[])
+}
+
+/// [`place`], the first arrays of `order` at the offsets `preset` (one each, in that order).
+fn place_after(
+    lives: &[Lifetime],
+    order: &[usize],
+    overlaps: &Overlaps,
+    best_fit: bool,
+    fixed: &[Range<usize>],
+    preset: &[usize],
 ) -> Plan {
     let mut offsets = vec![0usize; lives.len()];
     let mut placed = vec![false; lives.len()];
@@ -479,13 +529,16 @@ fn place(
         let me = lives[i];
         let mut gap = Gap::new(me.bytes, best_fit);
         let meets = overlaps.count(i).unwrap_or(n);
-        if meets > 16 && by_offset.len() <= meets * meets.ilog2() as usize {
+        let at = if let Some(&at) = preset.get(n) {
+            at
+        } else if meets > 16 && by_offset.len() <= meets * meets.ilog2() as usize {
             // In order of offset already: each range met is looked at as it is found.
             let met = by_offset
                 .iter()
                 .filter(|p| p.life.overlaps(&me))
                 .map(|p| (p.at, p.at + p.life.bytes));
             gap.look_at(met, &fixed);
+            gap.at()
         } else {
             taken.clear();
             overlaps.each(lives, i, &order[..n], |j| {
@@ -495,8 +548,8 @@ fn place(
             });
             taken.sort_unstable();
             gap.look_at(taken.iter().copied(), &fixed);
-        }
-        let at = gap.at();
+            gap.at()
+        };
         offsets[i] = at;
         footprint = footprint.max(at + me.bytes);
         placed[i] = true;
@@ -777,6 +830,50 @@ mod tests {
             moved += usize::from(plan != greedy_by_size(&lives));
         }
         assert!(moved > 100, "the ranges taken moved arrays ({moved})");
+    }
+
+    #[test]
+    fn arrays_placed_among_others_meet_none_while_they_live() {
+        let mut rng = fastrand::Rng::with_seed(12);
+        let mut reused = 0;
+        for case in 0..1000 {
+            // The arrays already placed: a plan of their own, so that they are apart.
+            let n = rng.usize(0..40);
+            let early = random_lives(&mut rng, n, false);
+            let early_plan = greedy_by_size(&early);
+            let placed: Vec<(Lifetime, usize)> = early
+                .iter()
+                .copied()
+                .zip(early_plan.offsets.iter().copied())
+                .collect();
+            let n = rng.usize(0..80);
+            let lives = random_lives(&mut rng, n, false);
+            let plan = greedy_by_size_among(&lives, &placed);
+            assert_eq!(plan.offsets.len(), lives.len());
+            // Together, one plan: every two arrays alive together apart, all in the footprint.
+            let all: Vec<Lifetime> = early.iter().chain(&lives).copied().collect();
+            let together = Plan {
+                offsets: early_plan
+                    .offsets
+                    .iter()
+                    .chain(&plan.offsets)
+                    .copied()
+                    .collect(),
+                footprint: plan.footprint,
+            };
+            assert!(holds(&all, &together, &[]), "case {case}");
+            // An array whose lifetime meets none of those placed may take their bytes.
+            reused += lives.iter().zip(&plan.offsets).any(|(l, &at)| {
+                l.bytes > 0
+                    && placed.iter().any(|(p, o)| {
+                        p.bytes > 0 && !p.overlaps(l) && at < o + p.bytes && *o < at + l.bytes
+                    })
+            }) as usize;
+        }
+        assert!(
+            reused > 100,
+            "arrays reuse the bytes of those placed ({reused})"
+        );
     }
 
     /// A dense step (most arrays meet most others: a training step's activations), its arrays

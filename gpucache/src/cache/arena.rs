@@ -26,7 +26,11 @@
 //! the plan's long-lived arrays keep together as it arranged them; from the bottom only in a step
 //! that outgrew its plan and is served from its block), and so is a step that outgrew its plan
 //! when waiting for the block would cost too much: arrays planned to live past the first eighth
-//! of the rest of the step hold it (a training step's forward pass, an attention mask), or half the
+//! of the rest of the step hold it (a training step's forward pass, an attention mask; but first
+//! the plan scaled as the step grew is placed again for the rest of the step, around the arrays
+//! alive in the block, each until its planned end, and serves it from the block, grown in place
+//! if need be, when that needs no more bytes than the plan scaled whole:
+//! [`Layout::scale_around`], [`DeviceArena::rest_around`]), or half the
 //! plan's footprint went apart while waiting, or by the time the block is unused the step can no
 //! longer follow the plan scaled (it left the plan's order, or passed its middle; the block
 //! goes back after all if it holds nothing when an array apart would take the cache past its
@@ -1496,6 +1500,53 @@ impl DeviceArena {
         true
     }
 
+    /// The step outgrew its plan at position `pos`, and arrays planned to live on hold the
+    /// plan's block: the plan is scaled as the step grew, and the rest of the step, from `pos`
+    /// on, placed again around the arrays alive in the block ([`Layout::scale_around`]), which
+    /// grows in place if the rest needs more bytes (where it can: see
+    /// [`DeviceArena::grow_block`]). Returns whether it was: the step then follows that layout,
+    /// with no array apart and no device allocation but the growth. Not when the gaps or the
+    /// tail handed out ranges this step, nor when the block was used on another stream.
+    ///
+    /// Served from the block's gaps instead, such a step (a detector's larger image, a training
+    /// step's longer batch) found no gap for many of its arrays, in a block sized for a smaller
+    /// step: each went apart, a device allocation and bytes beside the block.
+    fn rest_around(&mut self, st: &Counters, pos: u32) -> bool {
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
+        let Some(arena) = plan.block else {
+            return false;
+        };
+        if plan.tainted || plan.gaps.is_some() || !plan.handed_out().is_empty() {
+            return false;
+        }
+        let pinned: Vec<std::ops::Range<usize>> =
+            plan.pins.iter().map(|p| p.range.clone()).collect();
+        // The positions may move: their idle views go loose first, at the offsets they were
+        // made at.
+        plan.loosen_views();
+        let Some(bytes) = plan.layout.scale_around(&self.record, pos, &pinned) else {
+            return false;
+        };
+        if bytes > plan.block_bytes() {
+            // SAFETY: a plan's block is the cache's until detached, and alive while it is.
+            let growable = unsafe { arena.as_ref() }.block.is_growable() && !capturing();
+            if !growable || !self.grow_block(st, arena, bytes) {
+                if let Some(plan) = &mut self.plan {
+                    plan.layout.unscale_around();
+                }
+                return false;
+            }
+        }
+        let Some(plan) = &mut self.plan else {
+            return false;
+        };
+        // The tail is past a footprint that is no more.
+        plan.tail = None;
+        true
+    }
+
     /// Frees the plan's block if no array uses it (a step that left its plan uses it no more).
     /// Returns whether it was retired (never: it has no views).
     fn release_unused_block(&mut self, st: &Counters) -> bool {
@@ -1961,13 +2012,7 @@ impl CacheState {
                 planned: pos,
             });
             match serve {
-                Serve::At(offset) => {
-                    let got = self.plan_view(st, i, req, pos, offset, rec);
-                    if matches!(got, Planned::View(..)) {
-                        add(&st.hits, 1);
-                    }
-                    return got;
-                }
+                Serve::At(offset) => return self.served_at(st, i, req, pos, offset, rec),
                 // In a step that left its plan, a position of a first step's optimizer state: the
                 // step does not make that array (the state lives on, apart), this allocation is
                 // another one, likely a temporary of the optimizer's step: from the gaps.
@@ -2009,29 +2054,49 @@ impl CacheState {
                     // likely outlives its step too, and goes apart (in the block it would keep
                     // the whole block from the next step).
                     let again = a.plan.as_ref().is_some_and(|p| p.layout.is_live(pos));
+                    let mut around = false;
                     if !a.diverged
-                        && let Some(plan) = &mut a.plan
+                        && let Some(plan) = &a.plan
                     {
                         a.diverged = true;
                         // Larger than planned (or past the plan's end), the step outgrows the
                         // plan: its block goes back once unused, and the rest of the step is
                         // served apart until then, then from the plan scaled as the step grew,
-                        // in a new block. Else, or when arrays planned to live past the first
-                        // eighth of the rest hold the block, or when the step outgrows a scaled
-                        // plan, the block's free bytes serve it.
+                        // in a new block. When arrays planned to live past the first eighth of
+                        // the rest hold the block, the plan scaled for the rest of the step is
+                        // placed around them in the block, grown if need be. Else, or when the
+                        // step outgrows a scaled plan, the block's free bytes serve it.
                         let grew = size > plan.layout.range(pos).len()
                             && plan.layout.outgrown(&a.record, plan.block_bytes());
                         let held = grew && plan.layout.held_long(rec);
-                        if (!grew || held || a.scaled)
-                            && let Err(e) = plan.open_gaps(&a.record)
-                        {
-                            return Planned::Failed(e);
+                        around = held
+                            && !a.scaled
+                            && !again
+                            && pos != NONE
+                            && 2 * rec < plan.layout.len() as u32
+                            && a.rest_around(st, pos);
+                        if around {
+                            a.diverged = false;
+                            a.scaled = true;
+                            a.replan = true;
+                        } else if let Some(plan) = &mut a.plan {
+                            if (!grew || held || a.scaled)
+                                && let Err(e) = plan.open_gaps(&a.record)
+                            {
+                                return Planned::Failed(e);
+                            }
+                            a.outgrew = plan.gaps.is_none();
+                            a.keep_gaps = held || a.scaled;
+                            self.live += usize::from(a.release_unused_block(st));
                         }
-                        a.outgrew = plan.gaps.is_none();
-                        a.keep_gaps = held || a.scaled;
-                        self.live += usize::from(a.release_unused_block(st));
                     }
                     let a = &mut self.arenas.devices[i];
+                    if around
+                        && let Some(plan) = &mut a.plan
+                        && let Serve::At(offset) = plan.layout.serve(pos, size, rec)
+                    {
+                        return self.served_at(st, i, req, pos, offset, rec);
+                    }
                     // Only a step that outgrew its plan is scaled.
                     let room = if a.outgrew { a.room(st) } else { 0 };
                     if a.outgrew
@@ -2092,6 +2157,23 @@ impl CacheState {
         }
         a.awaiting = Some(Awaiting::Solo { pos });
         a.alloc(st, capacity, false)
+    }
+
+    /// [`Self::plan_view`], counted as a hit when the block was there.
+    fn served_at(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        pos: u32,
+        offset: usize,
+        rec: u32,
+    ) -> Planned {
+        let got = self.plan_view(st, i, req, pos, offset, rec);
+        if matches!(got, Planned::View(..)) {
+            add(&st.hits, 1);
+        }
+        got
     }
 
     /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a

@@ -134,6 +134,20 @@ fn layers(name: &str, len: usize, hold_input: bool) -> (usize, Vec<usize>) {
 
 /// [`layers`] after an input of `input` bytes.
 fn layers_after(name: &str, len: usize, input: usize, hold_input: bool) -> (usize, Vec<usize>) {
+    let counted = |s: gpucache::CacheStats| s.hits + s.misses;
+    let before = counted(gpucache::stats(name));
+    let got = layers_in_scope(name, len, input, hold_input);
+    // Every allocation is a hit or a miss, whichever way the plan served it.
+    assert_eq!(
+        counted(gpucache::stats(name)),
+        before + 26,
+        "hits and misses"
+    );
+    got
+}
+
+/// [`layers_after`], in a scope of its own.
+fn layers_in_scope(name: &str, len: usize, input: usize, hold_input: bool) -> (usize, Vec<usize>) {
     let _scope = gpucache::enter(name);
     let held = if hold_input { input } else { 0 };
     let input = filled(DEV, 100u8, [input]);

@@ -718,6 +718,28 @@ impl Plan {
         Ok(self.tail.as_mut().and_then(|t| t.take(rec, size, false)))
     }
 
+    /// Position `pos`, served at `offset` of the plan's block `arena` (ready for the step's
+    /// stream) for an array of `bytes` bytes of step `step`: its view, or the failure to make
+    /// one (the position is then free again).
+    fn position_view(
+        &mut self,
+        st: &Counters,
+        g: GaugeIx,
+        arena: BlockPtr,
+        (pos, offset): (u32, usize),
+        bytes: usize,
+        step: u32,
+    ) -> Planned {
+        let size = aligned(bytes).unwrap_or(bytes);
+        match self.view(st, g, arena, (pos, offset), (bytes, size)) {
+            Ok(view) => Planned::View(view, view_slot(pos), step),
+            Err(e) => {
+                self.layout.unserve(pos);
+                Planned::Failed(e)
+            }
+        }
+    }
+
     /// A view for allocation `rec`'s array of `bytes` bytes (`size` aligned) at `offset` of the
     /// block `arena`, handed out by the gaps or the tail: the idle view there, else a new one.
     /// Should that fail, the range goes back.
@@ -2126,7 +2148,7 @@ impl CacheState {
                         a.replan = true;
                         a.scaled |= scaled;
                         if let Serve::At(offset) = plan.layout.serve(pos, size, rec) {
-                            return self.plan_view(st, i, req, pos, offset, rec);
+                            return self.served_at(st, i, req, pos, offset, rec);
                         }
                     }
                     if again {
@@ -2159,26 +2181,10 @@ impl CacheState {
         a.alloc(st, capacity, false)
     }
 
-    /// [`Self::plan_view`], counted as a hit when the block was there.
-    fn served_at(
-        &mut self,
-        st: &Counters,
-        i: usize,
-        req: &Request<'_>,
-        pos: u32,
-        offset: usize,
-        rec: u32,
-    ) -> Planned {
-        let got = self.plan_view(st, i, req, pos, offset, rec);
-        if matches!(got, Planned::View(..)) {
-            add(&st.hits, 1);
-        }
-        got
-    }
-
     /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a
-    /// view of the plan's block, made first if need be.
-    fn plan_view(
+    /// view of the plan's block, made first if need be (a miss, counted when the block is
+    /// allocated). A view of a block that was there is counted as a hit.
+    fn served_at(
         &mut self,
         st: &Counters,
         i: usize,
@@ -2226,14 +2232,11 @@ impl CacheState {
                 return Planned::Failed(e);
             }
         }
-        let size = aligned(req.bytes).unwrap_or(req.bytes);
-        match plan.view(st, a.gauge, arena, (pos, offset), (req.bytes, size)) {
-            Ok(view) => Planned::View(view, view_slot(pos), a.step),
-            Err(e) => {
-                plan.layout.unserve(pos);
-                Planned::Failed(e)
-            }
+        let got = plan.position_view(st, a.gauge, arena, (pos, offset), req.bytes, a.step);
+        if matches!(got, Planned::View(..)) {
+            add(&st.hits, 1);
         }
+        got
     }
 
     /// Allocation `rec` of `size` aligned bytes, in a step that left its plan: a view of a gap
@@ -2442,10 +2445,12 @@ impl CacheState {
             if record::on() {
                 note_block(st, a.gauge, &a.trace, EventKind::PlanBlock, &block);
             }
-            plan.block = Some(ArenaBlock::new(block, generation));
+            let arena = ArenaBlock::new(block, generation);
+            plan.block = Some(arena);
             // A new block has no earlier work to order after.
             plan.ready = true;
-            return Ok(self.plan_view(st, i, req, pos, offset, rec));
+            let step = a.step;
+            return Ok(plan.position_view(st, a.gauge, arena, (pos, offset), req.bytes, step));
         }
         let pos = match awaiting {
             Some(Awaiting::Plan { rec: pos, .. } | Awaiting::Solo { pos }) => pos,
@@ -2929,7 +2934,7 @@ impl CacheCell {
     /// out of line, in [`CacheCell::view_dropped`].
     #[inline(always)]
     pub(super) fn send_view_home(home: Home, view: Block, current: *const CacheCell) {
-        // The view's backend is its arena block (see `CacheState::plan_view`).
+        // The view's backend is its arena block (see `Plan::counted_view`).
         let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };

@@ -988,13 +988,7 @@ impl Layout {
         placed.extend(pinned.iter().map(|r| (throughout(r), r.start)));
         let was: Vec<(usize, usize)> = self.spots.iter().map(|s| (s.offset, s.size)).collect();
         let rest = self.scale_whole(record, from)?;
-        let lives: Vec<Lifetime> = rest
-            .iter()
-            .map(|&(k, bytes)| Lifetime {
-                bytes,
-                ..self.spots[k].lifetime(k as u32)
-            })
-            .collect();
+        let lives = self.lives_of(&rest);
         let plan = planner::greedy_by_size_among(&lives, &placed);
         if plan.footprint > self.footprint {
             // Around the arrays alive, the rest needs more than the plan scaled whole, which
@@ -1072,6 +1066,16 @@ impl Layout {
         Some(rest)
     }
 
+    /// The planned lifetimes of the positions `rest`, each with its size there.
+    fn lives_of(&self, rest: &[(usize, usize)]) -> Vec<Lifetime> {
+        rest.iter()
+            .map(|&(k, bytes)| Lifetime {
+                bytes,
+                ..self.spots[k].lifetime(k as u32)
+            })
+            .collect()
+    }
+
     /// Places the positions of `rest` (each with its size) again, for the rest of a step in a
     /// new block (see [`Layout::scale`]), without the ranges `before` that the plan scaled whole
     /// keeps for arrays made earlier: closed up, else at their planned lifetimes by the planner.
@@ -1080,13 +1084,7 @@ impl Layout {
         if self.close_up(before, rest) {
             return;
         }
-        let lives: Vec<Lifetime> = rest
-            .iter()
-            .map(|&(k, bytes)| Lifetime {
-                bytes,
-                ..self.spots[k].lifetime(k as u32)
-            })
-            .collect();
+        let lives = self.lives_of(rest);
         // Placed again, the rest takes at least its peak live bytes: when that is not less by a
         // [`REST_WASTE`]th, it is not placed (a plan's host time saved).
         let least = planner::peak_live(&lives);

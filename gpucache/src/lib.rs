@@ -185,9 +185,14 @@
 //!   (its largest array so far: a detector's inputs grow otherwise than its feature maps),
 //!   in one new block (an array larger than its scaled place is served apart; the rest of the
 //!   plan is placed again without the arrays served before, which are not in that block, when
-//!   they would keep much of it unused: an input alive through the step). When waiting
-//!   for the old block would cost too much (arrays planned to live past the first eighth of the
-//!   rest of the step keep it in use, half its size went apart while waiting, or the step can no
+//!   they would keep much of it unused: an input alive through the step). When arrays planned
+//!   to live past the first eighth of the rest of the step keep the old block in use (a
+//!   training step's attention mask, a detector's feature maps), the plan scaled is placed
+//!   again for the rest of the step around them, each until its planned end
+//!   ([`planner::greedy_by_size_among`]), and serves it from the old block, grown in place where
+//!   it can (CUDA's), when that needs no more bytes than the plan scaled whole. When waiting
+//!   for the old block would cost too much (those arrays keep it in use and the rest does not
+//!   fit so, half its size went apart while waiting, or the step can no
 //!   longer follow the plan scaled), or if the step did not outgrow the plan (an array kept
 //!   alive, another order, extra allocations), the rest is served from the block's free bytes
 //!   while they hold it. A plan made again is merged with the old one position by position,

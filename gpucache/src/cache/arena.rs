@@ -1546,8 +1546,9 @@ impl DeviceArena {
         let pinned: Vec<std::ops::Range<usize>> =
             plan.pins.iter().map(|p| p.range.clone()).collect();
         // The positions may move: their idle views go loose first, at the offsets they were
-        // made at.
+        // made at; the tail (it handed nothing out) is past a footprint that may change.
         plan.loosen_views();
+        plan.tail = None;
         let Some(bytes) = plan.layout.scale_around(&self.record, pos, &pinned) else {
             return false;
         };
@@ -1561,11 +1562,6 @@ impl DeviceArena {
                 return false;
             }
         }
-        let Some(plan) = &mut self.plan else {
-            return false;
-        };
-        // The tail is past a footprint that is no more.
-        plan.tail = None;
         true
     }
 

@@ -986,7 +986,6 @@ impl Layout {
             end: n + 1,
         };
         placed.extend(pinned.iter().map(|r| (throughout(r), r.start)));
-        let was: Vec<(usize, usize)> = self.spots.iter().map(|s| (s.offset, s.size)).collect();
         let rest = self.scale_whole(record, from)?;
         let lives = self.lives_of(&rest);
         let plan = planner::greedy_by_size_among(&lives, &placed);
@@ -1008,14 +1007,16 @@ impl Layout {
             spots: whole,
             footprint: self.footprint,
         });
-        let from = (from as usize).min(self.spots.len());
-        for (s, &(offset, size)) in self.spots.iter_mut().zip(&was).take(from) {
+        // The positions before `from` back where they were (the places `scale_whole` kept).
+        let was = self.unscaled.as_ref().map_or(&[][..], |u| &u.spots[..]);
+        let mut before = 0;
+        for (s, &(offset, size)) in self.spots.iter_mut().zip(was).take(from as usize) {
             (s.offset, s.size) = (offset, size);
+            before = before.max(offset + size);
         }
         for (&(k, size), offset) in rest.iter().zip(plan.offsets) {
             (self.spots[k].offset, self.spots[k].size) = (offset, size);
         }
-        let before = was[..from].iter().map(|&(o, s)| o + s).max().unwrap_or(0);
         self.footprint = plan.footprint.max(before);
         Some(plan.footprint)
     }

@@ -245,3 +245,38 @@ fn a_pin_dropped_on_another_thread_leaves_no_kept_array_unseen() {
         gpucache::empty_cache();
     });
 }
+
+/// A loop the random ones found (shrunk): the second step's first array, three times its
+/// planned size, outgrows the plan, which serves the step as it is from a new block; its fourth,
+/// three times its place again, while the third holds that block, has the rest of the step placed
+/// around the third, and goes apart. The step still counted as waiting for its block, whose gaps
+/// then opened under the layout: its loss, served at its position, was handed bytes of the
+/// fourth array.
+#[test]
+fn a_step_placed_around_its_arrays_waits_for_no_block() {
+    let _serial = serial();
+    let step = |rows: &[usize], loss_at| Step {
+        rows: rows.to_vec(),
+        window: 1,
+        loss_at,
+        loss: (Dt::F32, &[1]),
+        old: Old::DropAt(0),
+        event: None,
+    };
+    let steps = vec![
+        step(&[16, 48, 16, 16, 16, 16], 5),
+        step(&[48, 16, 16, 48, 16], 4),
+    ];
+    run_on_fresh_threads("prop-kept", |_backend, helper| {
+        gpucache::configure(
+            NAME,
+            CacheConfig {
+                key: KeyPolicy::Planned,
+                ..CacheConfig::default()
+            },
+        );
+        train(&steps, &helper);
+        gpucache::invalidate(NAME);
+        gpucache::empty_cache();
+    });
+}

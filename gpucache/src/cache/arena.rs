@@ -2094,7 +2094,11 @@ impl CacheState {
                             && 2 * rec < plan.layout.len() as u32
                             && a.rest_around(st, pos);
                         if around {
+                            // The step follows the layout placed around its arrays: it waits for
+                            // no block (an array that outgrew the step's earlier layout may have
+                            // marked it so), and its block's gaps stay closed while it does.
                             a.diverged = false;
+                            a.outgrew = false;
                             a.scaled = true;
                             a.replan = true;
                         } else if let Some(plan) = &mut a.plan {

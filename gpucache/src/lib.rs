@@ -220,7 +220,9 @@
 //!   (a smaller batch in another order) and is unlike the last few is served from the plan's
 //!   block and not planned; a kind that comes again soon is.
 //! * **Arrays that outlive their step** (returned, stored, sent to another thread) are served
-//!   apart, each from a block of its own rounded up to its size class; when one drops after its
+//!   apart, each from a block of its own rounded up to its size class (one that grew since the
+//!   plan and is small beside the cache, like a cache of keys and values, with room to grow as
+//!   much again, up to half its size, so that its blocks grow rarer); when one drops after its
 //!   step, its block is kept as a spare for the next such array it fits (up to four times as
 //!   large; a cache of keys and values that grows a token a step reuses them, and so does a
 //!   model's input whose batch varies), until a device allocation would take the cache past

@@ -524,6 +524,64 @@ fn a_position_growing_a_little_every_step_is_planned_with_room_to_grow() {
     assert_ne!(grown[1], planned[1]);
 }
 
+/// A decoding step of a cache of keys and values `len` bytes long: the cache (replacing the
+/// last one, so planned apart), then a temporary of 4 MiB. Returns the device
+/// allocations the step made.
+fn decode_long(backend: &CountingBackend, name: &str, kv: &mut Array<u8>, len: usize) -> u64 {
+    let before = backend.allocs();
+    let _scope = gpucache::enter(name);
+    *kv = filled(DEV, 1u8, len);
+    let scratch = filled(DEV, 2u8, 4 << 20);
+    assert!(common::all_eq(&scratch, 2) && common::all_eq(kv, 1));
+    drop((scratch, _scope));
+    backend.allocs() - before
+}
+
+/// Rounds `bytes` up to its size class: four classes to a power of two (the size classes of
+/// `KeyPolicy::SizeClass`, which blocks apart are rounded to).
+fn size_class(bytes: usize) -> usize {
+    let step = (bytes - 1).next_power_of_two() / 8;
+    bytes.div_ceil(step.max(1)) * step.max(1)
+}
+
+#[test]
+fn a_cache_of_keys_and_values_growing_apart_gets_blocks_with_room_to_grow() {
+    let _serial = serial();
+    let name = "planned-kv-room";
+    let (backend, _installed) = planned(name, None);
+    let mut kv = filled(DEV, 0u8, 1);
+    // 16 KiB of keys and values, a KiB more every step. The first two steps record and plan.
+    let lens: Vec<usize> = (0..96).map(|t| (16 << 10) + (t << 10)).collect();
+    decode_long(&backend, name, &mut kv, lens[0]);
+    decode_long(&backend, name, &mut kv, lens[1]);
+    let made: Vec<u64> = lens[2..]
+        .iter()
+        .map(|&len| decode_long(&backend, name, &mut kv, len))
+        .collect();
+    // Blocks of their size class alone would be outgrown at every class the cache crosses
+    // (two blocks each time: the cache of the step before holds the other); with room for as
+    // much again as it grew since the plan (at most half its size), a block lasts longer the
+    // more the cache has grown.
+    let crossed = lens[2..]
+        .windows(2)
+        .filter(|w| size_class(w[1]) > size_class(w[0]))
+        .count() as u64;
+    let total: u64 = made.iter().sum();
+    assert!(crossed >= 8, "{crossed} classes crossed");
+    assert!(
+        total <= crossed,
+        "{total} device allocations for {crossed} classes crossed: {made:?}"
+    );
+    // The second half of the run: at most one class outgrown (two blocks).
+    assert!(
+        made[made.len() / 2..].iter().sum::<u64>() <= 2,
+        "per step: {made:?}"
+    );
+    drop(kv);
+    gpucache::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A prompt step (its first array large, five arrays) or a decoding step (its first array small,
 /// three arrays, and one of them more bytes than the prompt's at its position), each array
 /// dropped before the next. Returns their addresses.

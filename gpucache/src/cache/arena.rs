@@ -115,7 +115,10 @@
 //! position's grown: the step leaves its plan there.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
-//! class. When such a block's array drops in a later step than it was made in (or, for a small
+//! class; one that grew past its recorded size, and is small beside the most the cache has held
+//! (a decoder's cache of keys and values, a token longer every step), with room for as much
+//! again as it grew since the plan, up to half its size ([`DeviceArena::apart_capacity`]), so
+//! that the blocks made for it grow rarer as it grows. When such a block's array drops in a later step than it was made in (or, for a small
 //! array, in the step it was made in while a plan serves the steps), the block is kept as a
 //! *spare*, for the next solo array it fits (at most four times as large; at most twice as large
 //! when a new block would take the cache past the most it has held). Spares stay until a device
@@ -350,6 +353,15 @@ const PIN_SHARE: usize = 64;
 /// and values (8 MiB) is not such a step: its own arrays took 0.2 MiB, and the prompt's block is
 /// retired as before (kept, Mistral's decoding held 1.231x instead of 1.174x, replayed shuffled).
 const LEFT_PIN_SHARE: usize = 2;
+
+/// An array planned apart that grew past its recorded size gets a solo block with room to grow
+/// more ([`DeviceArena::apart_capacity`]) only while it is at most this fraction of the most the
+/// cache has held: a decoder's cache of keys and values (GPT-2's 24 arrays of 0.8-1.4 MiB, 1.7%
+/// of the most its cache held; Whisper's 8 of 3-120 KiB), not a detector's outputs kept into the
+/// next step (Mask R-CNN's masks of 54 MiB, 5%: with room, 1.159x -> 1.212x of its peak live
+/// bytes in the H100's granules) nor a CNN's output at a larger batch (ConvNeXt 1.043x ->
+/// 1.061x).
+const GROWN_APART_SHARE: usize = 32;
 
 /// The most steps a pin is kept: a pin is named by its step's number, which wraps (at `2^32`);
 /// kept no longer than this, it is never taken for an array of a later step with the same slot
@@ -1235,6 +1247,25 @@ impl DeviceArena {
         self.high.saturating_sub(self.held(st).saturating_sub(kept))
     }
 
+    /// The bytes of a new solo block for an array of `size` aligned bytes at position `pos`,
+    /// planned apart (it outlived the recorded step): its size class, and, when it grew past
+    /// its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the cache has
+    /// held ([`DeviceArena::high`]), room for as much again as it grew since the plan was made,
+    /// up to half its size. A decoder's cache of keys and values grows by a token every step
+    /// and is replaced every step, so each block made for it lasts about as many steps again
+    /// as it has grown since the plan (at most half as many bytes again), and the blocks made
+    /// for it become rarer as it grows, where blocks of its size class alone were outgrown
+    /// every time it crossed a class, all of its layers at once.
+    fn apart_capacity(&self, pos: u32, size: usize) -> usize {
+        let grown = match &self.plan {
+            Some(plan) if size <= self.high / GROWN_APART_SHARE => {
+                plan.layout.grown_apart(pos, size).min(size / 2)
+            }
+            _ => 0,
+        };
+        size_class_within(size.saturating_add(grown))
+    }
+
     /// Whether a new block of `capacity` bytes would take the cache past the most it has held
     /// on the device ([`DeviceArena::high`]).
     fn would_pass_high(&self, st: &Counters, capacity: usize) -> bool {
@@ -2047,7 +2078,7 @@ impl CacheState {
                 }
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
-                Serve::Apart => capacity = size_class_within(size),
+                Serve::Apart => capacity = a.apart_capacity(pos, size),
                 // A small array the plan does not hold: apart, from a spare once warm, the step
                 // staying on its plan.
                 Serve::Extra if !a.diverged => {}

@@ -1228,6 +1228,15 @@ impl Layout {
             .any(|s| s.live && !s.apart && s.end > soon)
     }
 
+    /// The bytes by which an array of `size` aligned bytes passes the recorded size of
+    /// position `k`, when `k` is apart (0 for a position in the block, or one not larger).
+    pub(super) fn grown_apart(&self, k: u32, size: usize) -> usize {
+        self.spots
+            .get(k as usize)
+            .filter(|s| s.apart)
+            .map_or(0, |s| size.saturating_sub(s.size))
+    }
+
     /// The bytes of position `k` in the block.
     pub(super) fn range(&self, k: u32) -> std::ops::Range<usize> {
         self.spots

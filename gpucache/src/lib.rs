@@ -224,8 +224,9 @@
 //!   plan and is small beside the cache, like a cache of keys and values, with room to grow as
 //!   much again, up to half its size, so that its blocks grow rarer); when one drops after its
 //!   step, its block is kept as a spare for the next such array it fits (up to four times as
-//!   large; a cache of keys and values that grows a token a step reuses them, and so does a
-//!   model's input whose batch varies), until a device allocation would take the cache past
+//!   large as the array or as what its position held when planned; a cache of keys and values
+//!   that grows a token a step reuses them, so does a server's next request, shorter, and so
+//!   does a model's input whose batch varies), until a device allocation would take the cache past
 //!   the most it has held: then spares go back first, so keeping them never raises its peak.
 //! * The first step allocates from the device, and so does a step that outgrows its plan (its
 //!   scaled plan's block, and the arrays served apart); a step that follows its plan does not.

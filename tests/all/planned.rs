@@ -768,6 +768,26 @@ fn a_requests_block_serves_the_next_request_however_many_steps_later() {
 }
 
 #[test]
+fn a_shorter_request_takes_the_block_a_longer_one_left() {
+    let _serial = serial();
+    let name = "planned-server-short";
+    let (backend, _installed) = planned(name, None);
+    // Two long requests (the second's prompt plan records its keys and values at 64 KiB), a
+    // large one between them to raise the most the cache has held, then requests a sixth as
+    // long: each takes a block of keys and values a long request left (more than four times
+    // its size, within four times its position's recorded size), so none allocates.
+    request(&backend, name, 1, 65536, 2);
+    request(&backend, name, 2, 1 << 20, 2);
+    request(&backend, name, 3, 65536, 2);
+    let allocs: Vec<u64> = (4..8)
+        .map(|r| request(&backend, name, r, 10240 + 256 * r as usize, 3))
+        .collect();
+    assert_eq!(allocs, [0, 0, 0, 0], "device allocations per request");
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+#[test]
 fn a_spare_goes_back_before_an_allocation_that_would_take_the_cache_past_its_peak() {
     let _serial = serial();
     let name = "planned-spare-peak";

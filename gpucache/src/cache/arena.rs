@@ -118,10 +118,12 @@
 //! class; one that grew past its recorded size, and is small beside the most the cache has held
 //! (a decoder's cache of keys and values, a token longer every step), with room for as much
 //! again as it grew since the plan, up to half its size ([`DeviceArena::apart_capacity`]), so
-//! that the blocks made for it grow rarer as it grows. When such a block's array drops in a later step than it was made in (or, for a small
-//! array, in the step it was made in while a plan serves the steps), the block is kept as a
-//! *spare*, for the next solo array it fits (at most four times as large; at most twice as large
-//! when a new block would take the cache past the most it has held). Spares stay until a device
+//! that the blocks made for it grow rarer as it grows. When such a block's array drops in a
+//! later step than it was made in (or, for a small array, in the step it was made in while a
+//! plan serves the steps), the block is kept as a *spare*, for the next solo array it fits (at
+//! most four times as large as the array or as its position's recorded size, so that a
+//! server's shorter request takes the blocks a longer one left; at most twice as large as the
+//! array when a new block would take the cache past the most it has held). Spares stay until a device
 //! allocation of the cache would take it past that mark ([`DeviceArena::high`]): then they go back
 //! to the device first (the smallest that makes room alone, else the oldest, and again; small
 //! spares stay, at most [`MAX_SMALL_SPARES`]), so that keeping them never raises the cache's
@@ -1213,17 +1215,30 @@ impl DeviceArena {
     }
 
     /// A spare of at least `size` bytes, idle, the smallest such: at most four times as large
+    /// as `expected` (the array's size, or for a position apart its recorded size, if larger)
     /// while a new block of `capacity` bytes would keep the cache within the most it has held
     /// (the spare serves the array with fewer bytes held than a new block, and saves a device
     /// allocation: 150-600 µs on an H100 at the pool's release threshold 0), at most twice as
-    /// large when the new block would take the cache past that mark (there a larger spare taken
-    /// by a small array sends the next large one past the mark with no spare left to free:
-    /// ConvNeXt's shuffled steps held 1.084x of peak live with four times, 1.070x with twice).
-    fn take_spare(&mut self, st: &Counters, size: usize, capacity: usize) -> Option<Held> {
+    /// large as the array when the new block would take the cache past that mark (there a
+    /// larger spare taken by a small array sends the next large one past the mark with no spare
+    /// left to free: ConvNeXt's shuffled steps held 1.084x of peak live with four times, 1.070x
+    /// with twice). Measured against the position's recorded size, a server's request with a
+    /// shorter prompt than the one its plan was made from takes the blocks of keys and values
+    /// an earlier request left (Llama-style serving: 35 -> 2 device allocations in the second
+    /// half of its steps, OPT 29 -> 2; but in their worst shuffled orders 1.201x -> 1.243x and
+    /// 1.125x -> 1.193x of peak live, a short request holding a long one's block when another
+    /// needs one).
+    fn take_spare(
+        &mut self,
+        st: &Counters,
+        size: usize,
+        capacity: usize,
+        expected: usize,
+    ) -> Option<Held> {
         let most = if self.would_pass_high(st, capacity) {
             size.saturating_mul(2)
         } else {
-            size.saturating_mul(4)
+            expected.saturating_mul(4)
         };
         let i = self
             .spares
@@ -1247,21 +1262,20 @@ impl DeviceArena {
         self.high.saturating_sub(self.held(st).saturating_sub(kept))
     }
 
-    /// The bytes of a new solo block for an array of `size` aligned bytes at position `pos`,
-    /// planned apart (it outlived the recorded step): its size class, and, when it grew past
-    /// its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the cache has
+    /// The bytes of a new solo block for an array of `size` aligned bytes at a position planned
+    /// apart (it outlived the recorded step) with `recorded` bytes: its size class, and, when
+    /// it grew past its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the cache has
     /// held ([`DeviceArena::high`]), room for as much again as it grew since the plan was made,
     /// up to half its size. A decoder's cache of keys and values grows by a token every step
     /// and is replaced every step, so each block made for it lasts about as many steps again
     /// as it has grown since the plan (at most half as many bytes again), and the blocks made
     /// for it become rarer as it grows, where blocks of its size class alone were outgrown
     /// every time it crossed a class, all of its layers at once.
-    fn apart_capacity(&self, pos: u32, size: usize) -> usize {
-        let grown = match &self.plan {
-            Some(plan) if size <= self.high / GROWN_APART_SHARE => {
-                plan.layout.grown_apart(pos, size).min(size / 2)
-            }
-            _ => 0,
+    fn apart_capacity(&self, size: usize, recorded: usize) -> usize {
+        let grown = if size <= self.high / GROWN_APART_SHARE {
+            size.saturating_sub(recorded).min(size / 2)
+        } else {
+            0
         };
         size_class_within(size.saturating_add(grown))
     }
@@ -2035,6 +2049,8 @@ impl CacheState {
         a.settle_record();
         let rec = a.tick;
         let mut capacity = size;
+        // The size a spare is measured against: the array's, or its position's recorded size.
+        let mut expected = size;
         if rec >= MAX_POSITIONS {
             a.overflowed = true;
         } else {
@@ -2078,7 +2094,11 @@ impl CacheState {
                 }
                 // Arrays that outlive their step may grow from step to step (a cache of keys
                 // and values in decoding): their blocks leave room.
-                Serve::Apart => capacity = a.apart_capacity(pos, size),
+                Serve::Apart => {
+                    let recorded = a.plan.as_ref().map_or(0, |p| p.layout.recorded_apart(pos));
+                    capacity = a.apart_capacity(size, recorded);
+                    expected = size.max(recorded);
+                }
                 // A small array the plan does not hold: apart, from a spare once warm, the step
                 // staying on its plan.
                 Serve::Extra if !a.diverged => {}
@@ -2199,7 +2219,7 @@ impl CacheState {
             self.live += usize::from(a.close_unused_gaps(st));
         }
         let a = &mut self.arenas.devices[i];
-        if let Some(held) = a.take_spare(st, size, capacity) {
+        if let Some(held) = a.take_spare(st, size, capacity, expected) {
             add(&st.hits, 1);
             return match held {
                 Held::Viewed { arena, view } if view.on_current_stream() => {

@@ -1228,13 +1228,12 @@ impl Layout {
             .any(|s| s.live && !s.apart && s.end > soon)
     }
 
-    /// The bytes by which an array of `size` aligned bytes passes the recorded size of
-    /// position `k`, when `k` is apart (0 for a position in the block, or one not larger).
-    pub(super) fn grown_apart(&self, k: u32, size: usize) -> usize {
+    /// The recorded size of position `k` when it is apart (0 for a position in the block).
+    pub(super) fn recorded_apart(&self, k: u32) -> usize {
         self.spots
             .get(k as usize)
             .filter(|s| s.apart)
-            .map_or(0, |s| size.saturating_sub(s.size))
+            .map_or(0, |s| s.size)
     }
 
     /// The bytes of position `k` in the block.

@@ -24,7 +24,10 @@
 //! sorting took most of the plan's time. Each range is looked at as it is found, with the
 //! ranges of the pins merged in order, rather than gathered first (a quarter fewer instructions
 //! for a plan of a GPT-2 training step). A best-fit plan within a 32nd of the step's peak live
-//! bytes is kept without trying first fit, which could save at most that.
+//! bytes is kept without trying first fit, which could save at most that. A planned cache tries
+//! first the way that gave its last plan within that 32nd (a model's steps are planned alike:
+//! Keypoint R-CNN's by first fit at every step, after a best fit that was not kept), and the
+//! others only while none came within it.
 //!
 //! In a dense step the smallest arrays, whose bytes together are at most a 1024th of the peak
 //! live bytes, are not placed among the rest but *stacked* on top of them, each at bytes of its
@@ -50,6 +53,7 @@
 //! assert_eq!(peak_live(&lives), 768);
 //! ```
 
+use std::cell::Cell;
 use std::ops::Range;
 
 /// Offsets and sizes in a plan are multiples of this (as `cudaMalloc` aligns).
@@ -160,6 +164,21 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 /// assert_eq!(plan.footprint, 1024);
 /// ```
 pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan {
+    greedy_by_size_from(lives, taken, &Cell::new(Try::default()))
+}
+
+/// [`greedy_by_size_around`], trying `first` before the others (in their usual order): a
+/// planned cache passes the try that ended its last plan's search, and gets back the one that
+/// ended this one's (unchanged when no try came within a 32nd of the peak live bytes: then every
+/// try was made, whatever the order). A model's steps are planned alike from step to step:
+/// Keypoint R-CNN's by first fit, FCOS's by weight, each after a best fit that was not kept, at
+/// every step that left its plan (the planner was half of Keypoint R-CNN's host time on the
+/// CPU). The plan is one within a 32nd of the peak if any try is, not always the same one.
+pub(crate) fn greedy_by_size_from(
+    lives: &[Lifetime],
+    taken: &[Range<usize>],
+    first: &Cell<Try>,
+) -> Plan {
     let overlaps = Overlaps::of(lives);
     let live = peak_live(lives);
     let within = least_footprint(live, taken) + live / FIRST_FIT_WITHIN;
@@ -169,7 +188,7 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
     };
     let bytes: usize = small.iter().map(|&i| lives[i].bytes).sum();
     if small.len() < MIN_STACKED || bytes == 0 {
-        return plan_around(lives, &overlaps, taken, within);
+        return plan_around(lives, &overlaps, taken, within, first);
     }
     let mut is_small = vec![false; lives.len()];
     small.iter().for_each(|&i| is_small[i] = true);
@@ -181,7 +200,13 @@ pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan
         .unzip();
     // The rest of a dense step is dense too: it scans (the same plan as listed). Its first try
     // is kept when the whole plan, the stack on top, would be.
-    let placed = plan_around(&rest, &Overlaps::Scan, taken, within.saturating_sub(bytes));
+    let placed = plan_around(
+        &rest,
+        &Overlaps::Scan,
+        taken,
+        within.saturating_sub(bytes),
+        first,
+    );
     let mut offsets = vec![0; lives.len()];
     for (&i, &at) in index.iter().zip(&placed.offsets) {
         offsets[i] = at;
@@ -260,13 +285,34 @@ fn stacked(lives: &[Lifetime], live: usize) -> Vec<usize> {
     order
 }
 
-/// [`greedy_by_size_around`] with every array placed: the first plan of a footprint at most
-/// `within` is kept without other tries.
+/// One way [`greedy_by_size`] places a step's arrays, in the order they are tried.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Try {
+    /// Largest first, best fit.
+    #[default]
+    BestFit,
+    /// Largest first, first fit.
+    FirstFit,
+    /// By weight (size times the square root of lifetime), best fit.
+    ByWeight,
+    /// In the order they were allocated, best fit.
+    InOrder,
+}
+
+impl Try {
+    /// Every try, in the order they are made.
+    const ALL: [Try; 4] = [Try::BestFit, Try::FirstFit, Try::ByWeight, Try::InOrder];
+}
+
+/// [`greedy_by_size_around`] with every array placed: `first`, then the other tries in order,
+/// while the best plan so far is above `within`; `first` becomes the try that came within, if
+/// one did.
 fn plan_around(
     lives: &[Lifetime],
     overlaps: &Overlaps,
     taken: &[Range<usize>],
     within: usize,
+    first: &Cell<Try>,
 ) -> Plan {
     let by_size = size_order(lives);
     // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%), and
@@ -275,27 +321,43 @@ fn plan_around(
     // Nor do either order's large arrays that live long always go first: RetinaNet's inference
     // steps keep their feature maps through both heads, and those orders hold 1.14x-1.29x of
     // their peak live bytes (largest first 1.28x-1.29x), where by weight they hold 1.03x.
-    let other_tries: [&dyn Fn() -> Plan; 3] = [
-        &|| place(lives, &by_size, overlaps, false, taken),
-        &|| place(lives, &weight_order(lives), overlaps, true, taken),
-        &|| {
-            let mut in_order: Vec<usize> = (0..lives.len()).collect();
-            in_order.sort_by_key(|&i| (lives[i].start, i));
-            place(lives, &in_order, overlaps, true, taken)
-        },
-    ];
-    let mut best = place(lives, &by_size, overlaps, true, taken);
-    for other in other_tries {
+    let place_by = |t: Try| placed(t, lives, &by_size, overlaps, taken);
+    let start = first.get();
+    let (mut best, mut won) = (place_by(start), start);
+    for t in Try::ALL.into_iter().filter(|&t| t != start) {
         if best.footprint <= within {
             // At the lower bound, or so near it that another plan could save little: kept.
             break;
         }
-        let plan = other();
+        let plan = place_by(t);
         if plan.footprint < best.footprint {
-            best = plan;
+            (best, won) = (plan, t);
         }
     }
+    if best.footprint <= within {
+        first.set(won);
+    }
     best
+}
+
+/// `lives` placed by try `t` (`by_size`: their [`size_order`]).
+fn placed(
+    t: Try,
+    lives: &[Lifetime],
+    by_size: &[usize],
+    overlaps: &Overlaps,
+    taken: &[Range<usize>],
+) -> Plan {
+    match t {
+        Try::BestFit => place(lives, by_size, overlaps, true, taken),
+        Try::FirstFit => place(lives, by_size, overlaps, false, taken),
+        Try::ByWeight => place(lives, &weight_order(lives), overlaps, true, taken),
+        Try::InOrder => {
+            let mut in_order: Vec<usize> = (0..lives.len()).collect();
+            in_order.sort_by_key(|&i| (lives[i].start, i));
+            place(lives, &in_order, overlaps, true, taken)
+        }
+    }
 }
 
 /// The indices of `lives`, largest first; ties by start, then position, so that the plan is
@@ -763,6 +825,56 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_starts_with_the_try_that_came_within_last_time() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let (mut kept, mut unchanged) = (0, 0);
+        for case in 0..3000 {
+            let lives = random_lives(&mut rng, 24, false);
+            let overlaps = Overlaps::of(&lives);
+            let within = peak_live(&lives) + peak_live(&lives) / FIRST_FIT_WITHIN;
+            let tries = Try::ALL.map(|t| {
+                let first = Cell::new(t);
+                (
+                    first.get(),
+                    plan_around(&lives, &overlaps, &[], within, &first),
+                    first,
+                )
+            });
+            for (t, plan, first) in &tries {
+                // Every plan is sound whatever the try made first.
+                for (i, a) in lives.iter().enumerate() {
+                    for (j, b) in lives.iter().enumerate().skip(i + 1) {
+                        let (x, y) = (plan.offsets[i], plan.offsets[j]);
+                        // (An empty array takes no bytes.)
+                        let apart = x + a.bytes <= y || y + b.bytes <= x || a.bytes * b.bytes == 0;
+                        assert!(!a.overlaps(b) || apart, "case {case}: {i} and {j}");
+                    }
+                }
+                if plan.footprint <= within {
+                    // Within: the try that gave the plan is tried first next time, and gives it
+                    // again at once.
+                    let by_size = size_order(&lives);
+                    assert_eq!(&placed(first.get(), &lives, &by_size, &overlaps, &[]), plan);
+                    let again = Cell::new(first.get());
+                    assert_eq!(&plan_around(&lives, &overlaps, &[], within, &again), plan);
+                    assert_eq!(again.get(), first.get(), "case {case}");
+                    kept += usize::from(first.get() != Try::BestFit);
+                } else {
+                    // No try came within: every one was made, the smallest kept (of those as
+                    // small, the one tried first), the first unchanged.
+                    assert_eq!(first.get(), *t, "case {case}");
+                    assert_eq!(plan.footprint, tries[0].1.footprint, "case {case}");
+                    unchanged += 1;
+                }
+            }
+        }
+        assert!(
+            kept > 100 && unchanged > 100,
+            "{kept} kept, {unchanged} unchanged"
+        );
+    }
+
+    #[test]
     fn the_least_footprint_around_ranges_taken_counts_those_below_it() {
         // Nothing taken: the peak live bytes.
         assert_eq!(least_footprint(100, &[]), 100);
@@ -942,7 +1054,8 @@ mod tests {
         let plan = greedy_by_size(&few);
         let overlaps = Overlaps::of(&few);
         let within = peak_live(&few) + peak_live(&few) / FIRST_FIT_WITHIN;
-        assert_eq!(plan, plan_around(&few, &overlaps, &[], within));
+        let first = Cell::new(Try::default());
+        assert_eq!(plan, plan_around(&few, &overlaps, &[], within, &first));
     }
 
     #[test]

@@ -253,6 +253,7 @@ pub(super) mod device;
 pub(super) mod gaps;
 pub(super) mod layout;
 
+use std::cell::Cell;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::*;
@@ -264,6 +265,7 @@ use super::state::{CacheState, ConfigSeq};
 use super::{ARENA, CacheCell, Got, HitPath, Home, Make, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, size_class_within};
+use crate::planner::Try;
 use crate::trace::record::{self, CellName, EventKind, Note};
 use crate::{Device, Result};
 use block::{
@@ -1044,6 +1046,7 @@ impl DeviceArena {
             spares: Vec::new(),
             given_up: None,
             high: 0,
+            first_try: Cell::new(Try::default()),
             awaiting: None,
             unplanned: [0; device::UNPLANNED],
             reordered: Vec::new(),
@@ -1863,7 +1866,7 @@ impl DeviceArena {
             let pinned: Vec<std::ops::Range<usize>> =
                 pins.iter().flatten().map(|p| p.range.clone()).collect();
             let plan_step = |merged: Option<&Layout>, taken: &[std::ops::Range<usize>]| {
-                let layout = Layout::new_around(&self.record, merged, taken);
+                let layout = Layout::new_around(&self.record, merged, taken, &self.first_try);
                 match merged {
                     // Merged with the old plan position by position, a plan may hold more
                     // than either (as many allocations in another arrangement: each position
@@ -1871,7 +1874,7 @@ impl DeviceArena {
                     Some(o) => {
                         let bound = o.footprint.max(layout::peak_live(&self.record));
                         if layout.footprint > bound + bound / 8 {
-                            Layout::new_around(&self.record, None, taken)
+                            Layout::new_around(&self.record, None, taken, &self.first_try)
                         } else {
                             layout
                         }

@@ -311,7 +311,7 @@ impl Layout {
     /// [`Layout::new_around`] with no bytes taken (tests).
     #[cfg(test)]
     pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
-        Layout::new_around(record, old, &[])
+        Layout::new_around(record, old, &[], &std::cell::Cell::default())
     }
 
     /// The plan of a step recorded as `record`, for a block whose byte ranges `taken` hold
@@ -320,11 +320,13 @@ impl Layout {
     /// takes the larger of the two sizes, so that both steps fit, when they are within a factor
     /// of two (measured on the real logs: merging positions whose sizes differ more, where the
     /// two steps' orders differ, held 1.12x and 1.49x of the peak live bytes where taking the new
-    /// step's size held 1.07x and 1.21x).
+    /// step's size held 1.07x and 1.21x). The planner tries `first` first, and sets it to
+    /// the try that gave the plan ([`planner::greedy_by_size_from`]).
     pub(super) fn new_around(
         record: &[Rec],
         old: Option<&Layout>,
         taken: &[std::ops::Range<usize>],
+        first: &std::cell::Cell<planner::Try>,
     ) -> Layout {
         let n = record.len() as u32;
         // The same step with other sizes (a batch or a sequence of another length): its k-th
@@ -370,7 +372,7 @@ impl Layout {
             .iter()
             .map(|&k| spots[k as usize].lifetime(k))
             .collect();
-        let plan = planner::greedy_by_size_around(&lives, taken);
+        let plan = planner::greedy_by_size_from(&lives, taken, first);
         for (&k, offset) in placed.iter().zip(plan.offsets) {
             spots[k as usize].offset = offset;
         }
@@ -1515,7 +1517,12 @@ mod tests {
     fn positions_are_placed_around_bytes_taken_and_wait_for_bytes_blocked() {
         // Around an array of an earlier step at 0..256, nothing is placed there.
         let taken = 0..256;
-        let l = Layout::new_around(&step(), None, std::slice::from_ref(&taken));
+        let l = Layout::new_around(
+            &step(),
+            None,
+            std::slice::from_ref(&taken),
+            &Default::default(),
+        );
         assert!((0..3).all(|k| l.spot(k).0 >= 256), "{:?}", l.spots);
         assert_eq!(l.footprint, 768 + 256);
         // Placed as if it were not there, the positions over it are served apart until it drops.

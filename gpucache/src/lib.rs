@@ -225,9 +225,9 @@
 //!   much again, up to half its size, so that its blocks grow rarer); when one drops after its
 //!   step, its block is kept as a spare for the next such array it fits (up to four times as
 //!   large as the array or as what its position held when planned; a cache of keys and values
-//!   that grows a token a step reuses them, so does a server's next request, shorter, and so
-//!   does a model's input whose batch varies), until a device allocation would take the cache past
-//!   the most it has held: then spares go back first, so keeping them never raises its peak.
+//!   that grows a token a step reuses them, so does a server's next request, shorter, and so does a
+//!   model's input whose batch varies), until a device allocation would take the cache past the
+//!   most it has held: then spares go back first, so keeping them never raises its peak.
 //! * The first step allocates from the device, and so does a step that outgrows its plan (its
 //!   scaled plan's block, and the arrays served apart); a step that follows its plan does not.
 //!   On CUDA a plan's block of 32 MiB or more is mapped through the driver's virtual memory

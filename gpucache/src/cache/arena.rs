@@ -115,26 +115,26 @@
 //! position's grown: the step leaves its plan there.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
-//! class; one that grew past its recorded size, and is small beside the most the cache has held
-//! (a decoder's cache of keys and values, a token longer every step), with room for as much
-//! again as it grew since the plan, up to half its size ([`DeviceArena::apart_capacity`]), so
-//! that the blocks made for it grow rarer as it grows. When such a block's array drops in a
-//! later step than it was made in (or, for a small array, in the step it was made in while a
-//! plan serves the steps), the block is kept as a *spare*, for the next solo array it fits (at
-//! most four times as large as the array or as its position's recorded size, so that a
-//! server's shorter request takes the blocks a longer one left; at most twice as large as the
-//! array when a new block would take the cache past the most it has held). Spares stay until a device
-//! allocation of the cache would take it past that mark ([`DeviceArena::high`]): then they go back
-//! to the device first (the smallest that makes room alone, else the oldest, and again; small
-//! spares stay, at most [`MAX_SMALL_SPARES`]), so that keeping them never raises the cache's
-//! peak by more than 32 KiB, and a server's next request finds its predecessor's
-//! keys and values however many steps later it comes. Any other solo block whose array dropped
-//! within its step goes back at once: the next plan holds its bytes. A solo block's view spans the whole
-//! block, and a spare whose array dropped on the owner thread, used on no other stream, keeps that
-//! view ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a
-//! decoder's cache of keys and values, replaced every step, makes no view at all once its spares go
-//! round (a spare served on another stream first orders that stream after its earlier work, as a
-//! recycled buffer is, and gets a new view there).
+//! class; one that grew past its recorded size, and is small beside the most the cache has held (a
+//! decoder's cache of keys and values, a token longer every step), with room for as much again as
+//! it grew since the plan, up to half its size ([`DeviceArena::apart_capacity`]), so that the
+//! blocks made for it grow rarer as it grows. When such a block's array drops in a later step than
+//! it was made in (or, for a small array, in the step it was made in while a plan serves the
+//! steps), the block is kept as a *spare*, for the next solo array it fits (at most four times as
+//! large as the array or as its position's recorded size, so that a server's shorter request takes
+//! the blocks a longer one left; at most twice as large as the array when a new block would take
+//! the cache past the most it has held). Spares stay until a device allocation of the cache would
+//! take it past that mark ([`DeviceArena::high`]): then they go back to the device first (the
+//! smallest that makes room alone, else the oldest, and again; small spares stay, at most
+//! [`MAX_SMALL_SPARES`]), so that keeping them never raises the cache's peak by more than 32 KiB,
+//! and a server's next request finds its predecessor's keys and values however many steps later it
+//! comes. Any other solo block whose array dropped within its step goes back at once: the next plan
+//! holds its bytes. A solo block's view spans the whole block, and a spare whose array dropped on
+//! the owner thread, used on no other stream, keeps that view ([`Held::Viewed`]): the next array it
+//! serves on the same stream takes it again, so a decoder's cache of keys and values, replaced
+//! every step, makes no view at all once its spares go round (a spare served on another stream
+//! first orders that stream after its earlier work, as a recycled buffer is, and gets a new view
+//! there).
 //!
 //! # Off the free-list paths
 //!
@@ -1266,14 +1266,14 @@ impl DeviceArena {
     }
 
     /// The bytes of a new solo block for an array of `size` aligned bytes at a position planned
-    /// apart (it outlived the recorded step) with `recorded` bytes: its size class, and, when
-    /// it grew past its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the cache has
-    /// held ([`DeviceArena::high`]), room for as much again as it grew since the plan was made,
-    /// up to half its size. A decoder's cache of keys and values grows by a token every step
-    /// and is replaced every step, so each block made for it lasts about as many steps again
-    /// as it has grown since the plan (at most half as many bytes again), and the blocks made
-    /// for it become rarer as it grows, where blocks of its size class alone were outgrown
-    /// every time it crossed a class, all of its layers at once.
+    /// apart (it outlived the recorded step) with `recorded` bytes: its size class, and, when it
+    /// grew past its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the cache
+    /// has held ([`DeviceArena::high`]), room for as much again as it grew since the plan was made,
+    /// up to half its size. A decoder's cache of keys and values grows by a token every step and is
+    /// replaced every step, so each block made for it lasts about as many steps again as it has
+    /// grown since the plan (at most half as many bytes again), and the blocks made for it become
+    /// rarer as it grows, where blocks of its size class alone were outgrown every time it crossed
+    /// a class, all of its layers at once.
     fn apart_capacity(&self, size: usize, recorded: usize) -> usize {
         let grown = if size <= self.high / GROWN_APART_SHARE {
             size.saturating_sub(recorded).min(size / 2)

@@ -223,6 +223,24 @@ fn train(steps: &[Step], helper: &Helper) {
     }
 }
 
+/// Runs `steps` on fresh threads with a planned cache of [`NAME`] (on blocks that grow in
+/// place with `growable`), then invalidates it and empties every cache.
+fn run_loop(steps: &[Step], growable: bool) {
+    run_on_fresh_threads("prop-kept", |backend, helper| {
+        backend.set_growable(growable);
+        gpucache::configure(
+            NAME,
+            CacheConfig {
+                key: KeyPolicy::Planned,
+                ..CacheConfig::default()
+            },
+        );
+        train(steps, &helper);
+        gpucache::invalidate(NAME);
+        gpucache::empty_cache();
+    });
+}
+
 proptest! {
     #![proptest_config(unpersisted(DEFAULT_CASES))]
 
@@ -231,30 +249,13 @@ proptest! {
         steps in prop::collection::vec(step(), 2..12),
     ) {
         let _serial = serial();
-        run_on_fresh_threads("prop-kept", |_backend, helper| {
-            gpucache::configure(NAME, CacheConfig {
-                key: KeyPolicy::Planned,
-                ..CacheConfig::default()
-            });
-            train(&steps, &helper);
-            gpucache::invalidate(NAME);
-            gpucache::empty_cache();
-        });
+        run_loop(&steps, false);
     }
 
     #[test]
     fn growing_loops_on_growable_blocks_stay_safe(steps in growing_loop()) {
         let _serial = serial();
-        run_on_fresh_threads("prop-kept", |backend, helper| {
-            backend.set_growable(true);
-            gpucache::configure(NAME, CacheConfig {
-                key: KeyPolicy::Planned,
-                ..CacheConfig::default()
-            });
-            train(&steps, &helper);
-            gpucache::invalidate(NAME);
-            gpucache::empty_cache();
-        });
+        run_loop(&steps, true);
     }
 }
 
@@ -287,18 +288,7 @@ fn a_pin_dropped_on_another_thread_leaves_no_kept_array_unseen() {
         step(&[16, 16, 16, 16], 3, scalar, Old::SendAt(0)),
         step(&[48, 16], 1, (Dt::U8, &[300]), Old::DropAt(2)),
     ]);
-    run_on_fresh_threads("prop-kept", |_backend, helper| {
-        gpucache::configure(
-            NAME,
-            CacheConfig {
-                key: KeyPolicy::Planned,
-                ..CacheConfig::default()
-            },
-        );
-        train(&steps, &helper);
-        gpucache::invalidate(NAME);
-        gpucache::empty_cache();
-    });
+    run_loop(&steps, false);
 }
 
 /// A loop the random ones found (shrunk): the second step's first array, three times its
@@ -323,16 +313,5 @@ fn a_step_placed_around_its_arrays_waits_for_no_block() {
         step(&[16, 48, 16, 16, 16, 16], 5),
         step(&[48, 16, 16, 48, 16], 4),
     ];
-    run_on_fresh_threads("prop-kept", |_backend, helper| {
-        gpucache::configure(
-            NAME,
-            CacheConfig {
-                key: KeyPolicy::Planned,
-                ..CacheConfig::default()
-            },
-        );
-        train(&steps, &helper);
-        gpucache::invalidate(NAME);
-        gpucache::empty_cache();
-    });
+    run_loop(&steps, false);
 }

@@ -834,11 +834,8 @@ mod tests {
             let within = peak_live(&lives) + peak_live(&lives) / FIRST_FIT_WITHIN;
             let tries = Try::ALL.map(|t| {
                 let first = Cell::new(t);
-                (
-                    first.get(),
-                    plan_around(&lives, &overlaps, &[], within, &first),
-                    first,
-                )
+                let plan = plan_around(&lives, &overlaps, &[], within, &first);
+                (t, plan, first)
             });
             for (t, plan, first) in &tries {
                 // Every plan is sound whatever the try made first.

@@ -130,6 +130,16 @@ fn failed(e: Box<dyn std::error::Error>) -> libtest_mimic::Failed {
     format!("{e} ({e:?})").into()
 }
 
+/// The size class of `bytes > 0` as `KeyPolicy::SizeClass` documents it (a model of the docs,
+/// not the crate's code): 512 bytes and below, then four classes per power of two (`2^k`,
+/// `1.25·2^k`, `1.5·2^k`, `1.75·2^k`).
+pub fn size_class(bytes: usize) -> usize {
+    (9..usize::BITS - 1)
+        .flat_map(|k| (4..8).map(move |m| m << (k - 2)))
+        .find(|&c| c >= bytes)
+        .expect("test sizes are small")
+}
+
 /// An array of `shape` on `dev` with every element `value`.
 pub fn filled<T: Element>(dev: Device, value: T, shape: impl Into<Shape>) -> Array<T> {
     let shape = shape.into();

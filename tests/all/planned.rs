@@ -537,13 +537,6 @@ fn decode_long(backend: &CountingBackend, name: &str, kv: &mut Array<u8>, len: u
     backend.allocs() - before
 }
 
-/// Rounds `bytes` up to its size class: four classes to a power of two (the size classes of
-/// `KeyPolicy::SizeClass`, which blocks apart are rounded to).
-fn size_class(bytes: usize) -> usize {
-    let step = (bytes - 1).next_power_of_two() / 8;
-    bytes.div_ceil(step.max(1)) * step.max(1)
-}
-
 #[test]
 fn a_cache_of_keys_and_values_growing_apart_gets_blocks_with_room_to_grow() {
     let _serial = serial();
@@ -564,7 +557,7 @@ fn a_cache_of_keys_and_values_growing_apart_gets_blocks_with_room_to_grow() {
     // more the cache has grown.
     let crossed = lens[2..]
         .windows(2)
-        .filter(|w| size_class(w[1]) > size_class(w[0]))
+        .filter(|w| common::size_class(w[1]) > common::size_class(w[0]))
         .count() as u64;
     let total: u64 = made.iter().sum();
     assert!(crossed >= 8, "{crossed} classes crossed");

@@ -14,21 +14,13 @@ use std::thread;
 use gpucache::testing::CountingBackend;
 use gpucache::{CacheConfig, CacheStats, Device, KeyPolicy, Reuse, ScopeGuard};
 use gpucache_suite::common::pattern::{AnyArray, Dt, Init};
+use gpucache_suite::common::size_class;
 
 /// A free list key, as `KeyPolicy` defines it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Key {
     Exact(Dt, &'static [usize]),
     Class(usize),
-}
-
-/// The size class of `bytes > 0` as `KeyPolicy::SizeClass` documents it: 512 bytes and below,
-/// then four classes per power of two (`2^k`, `1.25·2^k`, `1.5·2^k`, `1.75·2^k`).
-fn size_class(bytes: usize) -> usize {
-    (9..usize::BITS - 1)
-        .flat_map(|k| (4..8).map(move |m| m << (k - 2)))
-        .find(|&c| c >= bytes)
-        .expect("test sizes are small")
 }
 
 /// Where a live array's buffer belongs.

@@ -354,7 +354,7 @@ fn placed(
         Try::ByWeight => place(lives, &weight_order(lives), overlaps, true, taken),
         Try::InOrder => {
             let mut in_order: Vec<usize> = (0..lives.len()).collect();
-            in_order.sort_by_key(|&i| (lives[i].start, i));
+            in_order.sort_unstable_by_key(|&i| (lives[i].start, i));
             place(lives, &in_order, overlaps, true, taken)
         }
     }
@@ -379,9 +379,15 @@ fn weight_order(lives: &[Lifetime]) -> Vec<usize> {
 /// The indices of `lives`, the largest `weight` first; ties by start, then position, so that
 /// the plan is deterministic.
 fn heaviest_first(lives: &[Lifetime], weight: impl Fn(&Lifetime) -> u128) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..lives.len()).collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(weight(&lives[i])), lives[i].start, i));
-    order
+    // Each key computed once; no two keys are equal (the index is the last), so an unstable
+    // sort gives the one order.
+    let mut keyed: Vec<(std::cmp::Reverse<u128>, u32, usize)> = lives
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (std::cmp::Reverse(weight(l)), l.start, i))
+        .collect();
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(.., i)| i).collect()
 }
 
 /// The most pairs of overlapping lifetimes [`Overlaps`] lists; past it, each array's overlaps

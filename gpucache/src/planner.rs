@@ -27,7 +27,11 @@
 //! bytes is kept without trying first fit, which could save at most that. A planned cache tries
 //! first the way that gave its last plan within that 32nd (a model's steps are planned alike:
 //! Keypoint R-CNN's by first fit at every step, after a best fit that was not kept), and the
-//! others only while none came within it.
+//! others only while none came within it. When none came within for a few plans running and
+//! one way gave them all (a detector's steps, 3-9% above their peak by weight every time), it
+//! places the next plans alone while they fit the cache's block, and every way again every
+//! eighth plan (RetinaNet v2's plans took 0.62x of the instructions over a long run, the same
+//! plans).
 //!
 //! In a dense step the smallest arrays, whose bytes together are at most a 1024th of the peak
 //! live bytes, are not placed among the rest but *stacked* on top of them, each at bytes of its
@@ -164,20 +168,30 @@ pub fn greedy_by_size(lives: &[Lifetime]) -> Plan {
 /// assert_eq!(plan.footprint, 1024);
 /// ```
 pub fn greedy_by_size_around(lives: &[Lifetime], taken: &[Range<usize>]) -> Plan {
-    greedy_by_size_from(lives, taken, &Cell::new(Try::default()))
+    greedy_by_size_from(lives, taken, &Cell::new(Hint::default()), 0)
 }
 
-/// [`greedy_by_size_around`], trying `first` before the others (in their usual order): a
-/// planned cache passes the try that ended its last plan's search, and gets back the one that
-/// ended this one's (unchanged when no try came within a 32nd of the peak live bytes: then every
-/// try was made, whatever the order). A model's steps are planned alike from step to step:
-/// Keypoint R-CNN's by first fit, FCOS's by weight, each after a best fit that was not kept, at
-/// every step that left its plan (the planner was half of Keypoint R-CNN's host time on the
-/// CPU). The plan is one within a 32nd of the peak if any try is, not always the same one.
+/// [`greedy_by_size_around`] for a planned cache, which passes what its planner learned from
+/// its last plans (`hint`, updated here) and `room`: the bytes of the block the cache holds, in
+/// which a plan costs no more memory.
+///
+/// The try that came within a 32nd of the peak live bytes last time is made first, before the
+/// others in their usual order (unchanged when none came within: then every try was made,
+/// whatever the order). A model's steps are planned alike from step to step: Keypoint R-CNN's by
+/// first fit, FCOS's by weight, each after a best fit that was not kept, at every step that left
+/// its plan (the planner was half of Keypoint R-CNN's host time on the CPU). The plan is one
+/// within a 32nd of the peak if any try is, not always the same one.
+///
+/// And when one try gave the smallest plan [`WON_IN_A_ROW`] times running with none within (a
+/// detector's steps: FCOS's, RetinaNet's and Faster R-CNN's by weight, 3-9% above their peak),
+/// it is made alone, as long as its plan fits `room`; every try is made again for a plan that
+/// does not fit there (it sets how much the cache holds) and after [`ALONE_AT_MOST`] plans made
+/// so.
 pub(crate) fn greedy_by_size_from(
     lives: &[Lifetime],
     taken: &[Range<usize>],
-    first: &Cell<Try>,
+    hint: &Cell<Hint>,
+    room: usize,
 ) -> Plan {
     let overlaps = Overlaps::of(lives);
     let live = peak_live(lives);
@@ -188,7 +202,7 @@ pub(crate) fn greedy_by_size_from(
     };
     let bytes: usize = small.iter().map(|&i| lives[i].bytes).sum();
     if small.len() < MIN_STACKED || bytes == 0 {
-        return plan_around(lives, &overlaps, taken, within, first);
+        return plan_around(lives, &overlaps, taken, (within, room), hint);
     }
     let mut is_small = vec![false; lives.len()];
     small.iter().for_each(|&i| is_small[i] = true);
@@ -204,8 +218,8 @@ pub(crate) fn greedy_by_size_from(
         &rest,
         &Overlaps::Scan,
         taken,
-        within.saturating_sub(bytes),
-        first,
+        (within.saturating_sub(bytes), room.saturating_sub(bytes)),
+        hint,
     );
     let mut offsets = vec![0; lives.len()];
     for (&i, &at) in index.iter().zip(&placed.offsets) {
@@ -304,15 +318,38 @@ impl Try {
     const ALL: [Try; 4] = [Try::BestFit, Try::FirstFit, Try::ByWeight, Try::InOrder];
 }
 
-/// [`greedy_by_size_around`] with every array placed: `first`, then the other tries in order,
-/// while the best plan so far is above `within`; `first` becomes the try that came within, if
-/// one did.
+/// Plans in a row that one try must win, none coming within a 32nd of the peak, before it is
+/// made alone (see [`greedy_by_size_from`]).
+const WON_IN_A_ROW: u8 = 3;
+
+/// The most plans made by one try alone before every try is made again.
+const ALONE_AT_MOST: u8 = 8;
+
+/// What a planned cache's planner carries from one plan to the next (see
+/// [`greedy_by_size_from`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Hint {
+    /// The try made first: the last that came within a 32nd of the peak.
+    pub(crate) first: Try,
+    /// The try that gave the last plan that none came within.
+    winner: Try,
+    /// How many plans running `winner` gave, none coming within.
+    won: u8,
+    /// How many plans `winner` made alone since every try was last made.
+    alone: u8,
+}
+
+/// [`greedy_by_size_around`] with every array placed: `hint`'s first try, then the other tries
+/// in order, while the best plan so far is above `within`; or its winner alone, while its plan
+/// fits `room` (see [`greedy_by_size_from`]). `hint` is updated: its first try becomes the try
+/// that came within, if one did; else the try that gave the plan counts one more win, or one
+/// more plan made alone.
 fn plan_around(
     lives: &[Lifetime],
     overlaps: &Overlaps,
     taken: &[Range<usize>],
-    within: usize,
-    first: &Cell<Try>,
+    (within, room): (usize, usize),
+    hint: &Cell<Hint>,
 ) -> Plan {
     let by_size = size_order(lives);
     // Neither fit is always the smaller (on a BERT encoder's steps first fit saves 15%), and
@@ -322,9 +359,23 @@ fn plan_around(
     // steps keep their feature maps through both heads, and those orders hold 1.14x-1.29x of
     // their peak live bytes (largest first 1.28x-1.29x), where by weight they hold 1.03x.
     let place_by = |t: Try| placed(t, lives, &by_size, overlaps, taken);
-    let start = first.get();
-    let (mut best, mut won) = (place_by(start), start);
-    for t in Try::ALL.into_iter().filter(|&t| t != start) {
+    let mut h = hint.get();
+    // The try that won the last plans, alone: kept if its plan comes within, or fits the room.
+    let mut made = None;
+    if h.won >= WON_IN_A_ROW && h.alone < ALONE_AT_MOST {
+        let plan = place_by(h.winner);
+        if plan.footprint > within && plan.footprint <= room {
+            h.alone += 1;
+            hint.set(h);
+            return plan;
+        }
+        made = Some((plan, h.winner));
+    }
+    let start = h.first;
+    let (mut best, mut won) = made.unwrap_or_else(|| (place_by(start), start));
+    let made = won;
+    let others = Try::ALL.into_iter().filter(|&t| t != start);
+    for t in std::iter::once(start).chain(others).filter(|&t| t != made) {
         if best.footprint <= within {
             // At the lower bound, or so near it that another plan could save little: kept.
             break;
@@ -335,8 +386,20 @@ fn plan_around(
         }
     }
     if best.footprint <= within {
-        first.set(won);
+        h = Hint {
+            first: won,
+            ..Hint::default()
+        };
+    } else {
+        h.won = if won == h.winner {
+            h.won.saturating_add(1)
+        } else {
+            1
+        };
+        h.winner = won;
+        h.alone = 0;
     }
+    hint.set(h);
     best
 }
 
@@ -878,32 +941,47 @@ mod tests {
     fn a_plan_starts_with_the_try_that_came_within_last_time() {
         let mut rng = fastrand::Rng::with_seed(11);
         let (mut kept, mut unchanged) = (0, 0);
+        let hint = |first| {
+            Cell::new(Hint {
+                first,
+                ..Hint::default()
+            })
+        };
         for case in 0..3000 {
             let lives = random_lives(&mut rng, 24, false);
             let overlaps = Overlaps::of(&lives);
             let within = peak_live(&lives) + peak_live(&lives) / FIRST_FIT_WITHIN;
             let tries = Try::ALL.map(|t| {
-                let first = Cell::new(t);
-                let plan = plan_around(&lives, &overlaps, &[], within, &first);
-                (t, plan, first)
+                let first = hint(t);
+                let plan = plan_around(&lives, &overlaps, &[], (within, usize::MAX), &first);
+                (t, plan, first.get())
             });
-            for (t, plan, first) in &tries {
+            for (t, plan, after) in &tries {
                 // Every plan is sound whatever the try made first.
                 assert!(holds(&lives, plan, &[]), "case {case}: {t:?} first");
                 if plan.footprint <= within {
                     // Within: the try that gave the plan is tried first next time, and gives it
                     // again at once.
                     let by_size = size_order(&lives);
-                    assert_eq!(&placed(first.get(), &lives, &by_size, &overlaps, &[]), plan);
-                    let again = Cell::new(first.get());
-                    assert_eq!(&plan_around(&lives, &overlaps, &[], within, &again), plan);
-                    assert_eq!(again.get(), first.get(), "case {case}");
-                    kept += usize::from(first.get() != Try::BestFit);
+                    assert_eq!(&placed(after.first, &lives, &by_size, &overlaps, &[]), plan);
+                    assert_eq!(
+                        *after,
+                        Hint {
+                            first: after.first,
+                            ..Hint::default()
+                        }
+                    );
+                    let again = Cell::new(*after);
+                    let plan_again = plan_around(&lives, &overlaps, &[], (within, 0), &again);
+                    assert_eq!(&plan_again, plan);
+                    assert_eq!(again.get(), *after, "case {case}");
+                    kept += usize::from(after.first != Try::BestFit);
                 } else {
                     // No try came within: every one was made, the smallest kept (of those as
-                    // small, the one tried first), the first unchanged.
-                    assert_eq!(first.get(), *t, "case {case}");
+                    // small, the one tried first), the first unchanged, the winner counted.
+                    assert_eq!(after.first, *t, "case {case}");
                     assert_eq!(plan.footprint, tries[0].1.footprint, "case {case}");
+                    assert_eq!((after.won, after.alone), (1, 0), "case {case}");
                     unchanged += 1;
                 }
             }
@@ -912,6 +990,63 @@ mod tests {
             kept > 100 && unchanged > 100,
             "{kept} kept, {unchanged} unchanged"
         );
+    }
+
+    #[test]
+    fn a_try_that_keeps_winning_is_made_alone_while_its_plan_fits_the_room() {
+        let mut rng = fastrand::Rng::with_seed(13);
+        let (mut alone, mut all_again) = (0, 0);
+        for case in 0..400 {
+            let lives = random_lives(&mut rng, 24, false);
+            let overlaps = Overlaps::of(&lives);
+            let by_size = size_order(&lives);
+            // A bound no plan comes within: every plan is one no try came within.
+            let within = 0;
+            let best = plan_around(&lives, &overlaps, &[], (within, 0), &Cell::default());
+            let winner = Try::ALL
+                .into_iter()
+                .find(|&t| placed(t, &lives, &by_size, &overlaps, &[]) == best)
+                .unwrap();
+            let worst = Try::ALL
+                .map(|t| placed(t, &lives, &by_size, &overlaps, &[]).footprint)
+                .into_iter()
+                .max()
+                .unwrap();
+            let hint = Cell::new(Hint::default());
+            // Every try is made until the winner has won its plans in a row.
+            for won in 1..=WON_IN_A_ROW {
+                let plan = plan_around(&lives, &overlaps, &[], (within, usize::MAX), &hint);
+                assert_eq!(plan.footprint, best.footprint, "case {case}");
+                assert_eq!((hint.get().won, hint.get().alone), (won, 0), "case {case}");
+            }
+            let h = hint.get();
+            // Then the winner alone, while its plan fits the room...
+            for n in 1..=ALONE_AT_MOST {
+                let plan = plan_around(&lives, &overlaps, &[], (within, best.footprint), &hint);
+                assert_eq!(plan, placed(h.winner, &lives, &by_size, &overlaps, &[]));
+                assert_eq!(hint.get(), Hint { alone: n, ..h }, "case {case}");
+                alone += 1;
+            }
+            // ...and every try again after so many plans made alone,
+            let plan = plan_around(&lives, &overlaps, &[], (within, usize::MAX), &hint);
+            assert_eq!(plan.footprint, best.footprint, "case {case}");
+            assert_eq!(hint.get().alone, 0, "case {case}");
+            // or at once for a plan the room does not hold (it sets what the cache holds).
+            let hint = Cell::new(Hint { alone: 0, ..h });
+            let plan = plan_around(&lives, &overlaps, &[], (within, best.footprint - 1), &hint);
+            assert_eq!(plan.footprint, best.footprint, "case {case}");
+            assert_eq!(
+                hint.get(),
+                Hint {
+                    won: h.won + 1,
+                    ..h
+                },
+                "case {case}"
+            );
+            all_again += usize::from(worst > best.footprint && winner != Try::BestFit);
+        }
+        // Cases where making every try again matters (another try gave a larger plan).
+        assert!(alone > 1000 && all_again > 20, "{alone} alone, {all_again}");
     }
 
     #[test]
@@ -1094,8 +1229,8 @@ mod tests {
         let plan = greedy_by_size(&few);
         let overlaps = Overlaps::of(&few);
         let within = peak_live(&few) + peak_live(&few) / FIRST_FIT_WITHIN;
-        let first = Cell::new(Try::default());
-        assert_eq!(plan, plan_around(&few, &overlaps, &[], within, &first));
+        let hint = Cell::default();
+        assert_eq!(plan, plan_around(&few, &overlaps, &[], (within, 0), &hint));
     }
 
     #[test]

@@ -265,7 +265,6 @@ use super::state::{CacheState, ConfigSeq};
 use super::{ARENA, CacheCell, Got, HitPath, Home, Make, Request, Take};
 use crate::backend::{self, Backend, Block};
 use crate::config::{CacheConfig, size_class_within};
-use crate::planner::Try;
 use crate::trace::record::{self, CellName, EventKind, Note};
 use crate::{Device, Result};
 use block::{
@@ -1046,7 +1045,7 @@ impl DeviceArena {
             spares: Vec::new(),
             given_up: None,
             high: 0,
-            first_try: Cell::new(Try::default()),
+            planner_hint: Cell::default(),
             awaiting: None,
             unplanned: [0; device::UNPLANNED],
             reordered: Vec::new(),
@@ -1865,8 +1864,11 @@ impl DeviceArena {
             let pins = old.as_ref().and_then(|p| self.pins_for(p));
             let pinned: Vec<std::ops::Range<usize>> =
                 pins.iter().flatten().map(|p| p.range.clone()).collect();
+            // The block the plans may fit in, with no more memory.
+            let block_bytes = old.as_ref().map_or(0, Plan::block_bytes);
+            let hint = &self.planner_hint;
             let plan_step = |merged: Option<&Layout>, taken: &[std::ops::Range<usize>]| {
-                let layout = Layout::new_around(&self.record, merged, taken, &self.first_try);
+                let layout = Layout::new_around(&self.record, merged, taken, hint, block_bytes);
                 match merged {
                     // Merged with the old plan position by position, a plan may hold more
                     // than either (as many allocations in another arrangement: each position
@@ -1874,7 +1876,7 @@ impl DeviceArena {
                     Some(o) => {
                         let bound = o.footprint.max(layout::peak_live(&self.record));
                         if layout.footprint > bound + bound / 8 {
-                            Layout::new_around(&self.record, None, taken, &self.first_try)
+                            Layout::new_around(&self.record, None, taken, hint, block_bytes)
                         } else {
                             layout
                         }
@@ -1882,7 +1884,6 @@ impl DeviceArena {
                     None => layout,
                 }
             };
-            let block_bytes = old.as_ref().map_or(0, Plan::block_bytes);
             // A block that can grow under its arrays, all pinned (not used on another stream, no
             // graph captured), grows to a plan placed around them, if that outgrows it (with no
             // array in it, it is given up instead, and grows when the next plan wants a block).

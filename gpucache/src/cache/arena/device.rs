@@ -14,7 +14,7 @@ use super::layout::{Layout, Rec};
 use crate::Device;
 use crate::backend::Block;
 use crate::cache::counters::GaugeIx;
-use crate::planner::Try;
+use crate::planner::Hint;
 use crate::trace::record::CellName;
 
 /// A plan of one device: its layout and its block.
@@ -164,10 +164,11 @@ pub(in crate::cache) struct DeviceArena {
     /// back): a block given up is kept through other allocations only while the cache stays
     /// within it.
     pub(super) high: usize,
-    /// How the planner places a step's arrays first: the way that gave this device's last plan
-    /// (when one came within a 32nd of its peak live bytes; see
-    /// [`crate::planner::greedy_by_size_from`]). A model's steps are planned alike.
-    pub(super) first_try: Cell<Try>,
+    /// What the planner learned from this device's last plans: the way that came within a 32nd
+    /// of the peak live bytes, made first, and the way that gave the plans when none did, made
+    /// alone once it won a few in a row (see [`crate::planner::greedy_by_size_from`]). A
+    /// model's steps are planned alike.
+    pub(super) planner_hint: Cell<Hint>,
     pub(super) awaiting: Option<Awaiting>,
     /// The [signatures](super::layout::signature) of the last steps that left their plan and
     /// were not planned again (see `DeviceArena::end_step`), the newest first.

@@ -311,7 +311,7 @@ impl Layout {
     /// [`Layout::new_around`] with no bytes taken (tests).
     #[cfg(test)]
     pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
-        Layout::new_around(record, old, &[], &std::cell::Cell::default())
+        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0)
     }
 
     /// The plan of a step recorded as `record`, for a block whose byte ranges `taken` hold
@@ -320,13 +320,15 @@ impl Layout {
     /// takes the larger of the two sizes, so that both steps fit, when they are within a factor
     /// of two (measured on the real logs: merging positions whose sizes differ more, where the
     /// two steps' orders differ, held 1.12x and 1.49x of the peak live bytes where taking the new
-    /// step's size held 1.07x and 1.21x). The planner tries `first` first, and sets it to
-    /// the try that gave the plan ([`planner::greedy_by_size_from`]).
+    /// step's size held 1.07x and 1.21x). The planner takes `hint`, what it learned from the
+    /// device's last plans, and `room`, the bytes of the block the cache holds, and updates the
+    /// hint ([`planner::greedy_by_size_from`]).
     pub(super) fn new_around(
         record: &[Rec],
         old: Option<&Layout>,
         taken: &[std::ops::Range<usize>],
-        first: &std::cell::Cell<planner::Try>,
+        hint: &std::cell::Cell<planner::Hint>,
+        room: usize,
     ) -> Layout {
         let n = record.len() as u32;
         // The same step with other sizes (a batch or a sequence of another length): its k-th
@@ -372,7 +374,7 @@ impl Layout {
             .iter()
             .map(|&k| spots[k as usize].lifetime(k))
             .collect();
-        let plan = planner::greedy_by_size_from(&lives, taken, first);
+        let plan = planner::greedy_by_size_from(&lives, taken, hint, room);
         for (&k, offset) in placed.iter().zip(plan.offsets) {
             spots[k as usize].offset = offset;
         }
@@ -1522,6 +1524,7 @@ mod tests {
             None,
             std::slice::from_ref(&taken),
             &Default::default(),
+            0,
         );
         assert!((0..3).all(|k| l.spot(k).0 >= 256), "{:?}", l.spots);
         assert_eq!(l.footprint, 768 + 256);

@@ -373,9 +373,10 @@ fn plan_around(
     }
     let start = h.first;
     let (mut best, mut won) = made.unwrap_or_else(|| (place_by(start), start));
-    let made = won;
+    // The others in order, the first one first (not the one made already).
+    let done = won;
     let others = Try::ALL.into_iter().filter(|&t| t != start);
-    for t in std::iter::once(start).chain(others).filter(|&t| t != made) {
+    for t in std::iter::once(start).chain(others).filter(|&t| t != done) {
         if best.footprint <= within {
             // At the lower bound, or so near it that another plan could save little: kept.
             break;

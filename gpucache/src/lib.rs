@@ -230,11 +230,17 @@
 //!   most it has held: then spares go back first, so keeping them never raises its peak.
 //! * The first step allocates from the device, and so does a step that outgrows its plan (its
 //!   scaled plan's block, and the arrays served apart); a step that follows its plan does not.
-//!   On CUDA a plan's block of 32 MiB or more is mapped through the driver's virtual memory
-//!   management, so a larger plan's block is the old one *grown in place* (only the new bytes
-//!   are mapped; the old block is not freed) when no array uses it: the block a plan gives up
-//!   is kept for the next plan's block, and freed first if the cache would otherwise hold more
-//!   than it ever has. Freeing such a block waits for the device to finish with it.
+//!   A plan's block of 32 MiB or more is *growable*: on CUDA it is mapped through the driver's
+//!   virtual memory management, on the CPU (Unix) it is a mapping that reserves as many
+//!   addresses as a GPU's memory and no memory (the kernel backs the pages touched), in 2 MiB
+//!   granules either way, so a larger plan's block is the old one *grown in place* (only the
+//!   new bytes are mapped; the old block is not freed) when no array uses it: the block a plan
+//!   gives up is kept for the next plan's block, and freed first if the cache would otherwise
+//!   hold more than it ever has. On CUDA, freeing such a block waits for the device to finish
+//!   with it. Where the host refuses the addresses (valgrind, `vm.overcommit_memory = 2`) the
+//!   CPU's blocks are allocated as any other; a larger plan then takes a new block while arrays
+//!   still hold the old one (Keypoint R-CNN's varying inference, replayed: 2.05x of its peak
+//!   live bytes so, 1.27x grown).
 //!   [`Reuse`] does not apply.
 //!
 //! Replayed from real models' allocation logs (`examples/replay`, BENCHMARKS.md), the peak held

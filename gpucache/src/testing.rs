@@ -8,6 +8,8 @@
 //! blocks in place as the CUDA backend does, so that path can be tested on any machine too; told
 //! the device's granularity as well ([`CountingBackend::set_granularity`]), it holds what the
 //! CUDA backend holds, to the byte, so a replay on the CPU reports the GPU's memory figures.
+//! The CPU backend itself maps planned caches' blocks that way wherever the host grants the
+//! addresses ([`host_grows_blocks`]).
 //!
 //! ```
 //! use gpucache::testing::{CountingBackend, use_backend};
@@ -37,7 +39,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 
 use parking_lot::Mutex;
 
-use crate::backend::{self, AllocError, Backend, Storage, cpu, cpu::CpuBackend};
+use crate::backend::cpu::{self, CpuBackend, GROWABLE_RESERVE};
+use crate::backend::{self, AllocError, Backend, Storage};
 use crate::{Device, DeviceStats};
 
 /// A CPU backend that counts what it does and fails allocations on demand. See the
@@ -55,18 +58,12 @@ pub struct CountingBackend {
     plan: Mutex<FailPlan>,
     growable: AtomicBool,
     grows: AtomicU64,
-    /// The growable buffers alive: their addresses and the bytes each may grow to.
-    growable_bufs: Mutex<Vec<(usize, usize)>>,
+    /// The growable buffers alive.
+    growable_bufs: cpu::GrowableBufs,
     /// Growable blocks are rounded up to a multiple of this, and smaller ones than
     /// `GROWABLE_MIN` are not growable (0: every size as asked, see `set_granularity`).
     granularity: AtomicUsize,
 }
-
-/// The bytes a growable buffer of the testing backend may grow to (addresses only: the kernel
-/// backs the pages touched): as much as a GPU's memory, as the CUDA backend reserves (with
-/// 1 GiB, a plan's block of EfficientNet-B0 trained on a batch of up to 64 could not grow, and
-/// the replay held 1.187x of peak live where an H200 held 1.035x).
-const GROWABLE_RESERVE: usize = if usize::BITS >= 64 { 1 << 37 } else { 1 << 30 };
 
 /// The reserve of a growable buffer when the host refuses [`GROWABLE_RESERVE`] of addresses
 /// (valgrind does, and a kernel that accounts every mapping, `vm.overcommit_memory = 2`).
@@ -154,13 +151,9 @@ impl CountingBackend {
     }
 
     /// `bytes` as a growable block maps them (see [`set_granularity`](Self::set_granularity)),
-    /// `None` past its reserve.
+    /// `None` when such a block is not growable.
     fn mapped(&self, bytes: usize) -> Option<usize> {
-        match self.granularity.load(SeqCst) {
-            0 => Some(bytes),
-            g => bytes.checked_next_multiple_of(g),
-        }
-        .filter(|&b| b <= GROWABLE_RESERVE)
+        cpu::growable_size(bytes, self.granularity.load(SeqCst))
     }
 
     /// Attempts that were made to fail.
@@ -232,25 +225,6 @@ impl CountingBackend {
         })
     }
 
-    /// The reserve of `buf`, if it is a growable buffer; it is no longer counted as one.
-    fn forget_growable(&self, buf: &cpu::HostBuf) -> Option<usize> {
-        let mut grows = self.growable_bufs.lock();
-        let at = grows
-            .iter()
-            .position(|&(p, _)| p == buf.ptr().as_ptr().addr());
-        at.map(|i| grows.swap_remove(i).1)
-    }
-
-    /// The bytes `buf` may grow to, if it is a growable buffer.
-    fn reserve_of(&self, buf: &cpu::HostBuf) -> Option<usize> {
-        let grows = self.growable_bufs.lock();
-        let addr = buf.ptr().as_ptr().addr();
-        grows
-            .iter()
-            .find(|&&(p, _)| p == addr)
-            .map(|&(_, reserve)| reserve)
-    }
-
     /// Counts a successful allocation, with the bytes outstanding just after it.
     fn counted(&self, outstanding: usize, zeroed: bool) {
         self.allocs.fetch_add(1, SeqCst);
@@ -286,72 +260,53 @@ impl Backend for CountingBackend {
     }
 
     fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
-        let small = self.granularity.load(SeqCst) != 0 && bytes < backend::GROWABLE_MIN;
         let mapped = self.mapped(bytes);
-        let Some(bytes) = mapped.filter(|_| self.growable.load(SeqCst) && cfg!(unix) && !small)
-        else {
+        let Some(bytes) = mapped.filter(|_| self.growable.load(SeqCst) && cfg!(unix)) else {
             return self.alloc(device, bytes, false);
         };
         let outstanding = self.attempt(bytes)?;
-        let mapped = [GROWABLE_RESERVE, FALLBACK_RESERVE]
-            .into_iter()
-            .filter(|&reserve| bytes <= reserve)
-            .find_map(|reserve| Some((cpu::map_growable(reserve, bytes)?, reserve)));
-        let Some((buf, reserve)) = mapped else {
+        let reserves = [GROWABLE_RESERVE, FALLBACK_RESERVE];
+        let Some(buf) = self.growable_bufs.map(bytes, &reserves) else {
             self.outstanding_bytes.fetch_sub(bytes, SeqCst);
             return Err(AllocError::OutOfMemory);
         };
-        self.growable_bufs
-            .lock()
-            .push((buf.ptr().as_ptr().addr(), reserve));
         self.counted(outstanding, false);
         Ok(Storage::Host(buf))
     }
 
     fn grow(&self, _device: Device, storage: &Storage, bytes: usize) -> Result<bool, AllocError> {
-        let Some(bytes) = self.mapped(bytes) else {
+        let (Some(bytes), Some(buf)) = (self.mapped(bytes), storage.host()) else {
             return Ok(false);
         };
-        let Some(buf) = storage.host() else {
-            return Ok(false);
-        };
-        if self.reserve_of(buf).is_none_or(|reserve| bytes > reserve) {
+        let reserve = self.growable_bufs.reserve_of(buf);
+        if reserve.is_none_or(|reserve| bytes > reserve) {
             return Ok(false);
         }
         let Some(more) = bytes.checked_sub(buf.bytes()).filter(|&m| m > 0) else {
             return Ok(true);
         };
         let outstanding = self.attempt(more)?;
-        // SAFETY: a growable buffer (checked above), of a reserve of at least `bytes`.
-        unsafe { buf.grow_to(bytes) };
+        let grown = self.growable_bufs.grow(buf, bytes);
+        debug_assert!(grown, "a listed buffer within its reserve");
         self.counted(outstanding, false);
         self.grows.fetch_add(1, SeqCst);
         Ok(true)
     }
 
     fn is_growable(&self, storage: &Storage) -> bool {
-        match storage {
-            Storage::Host(buf) => self.reserve_of(buf).is_some(),
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(_) => false,
-        }
+        storage
+            .host()
+            .is_some_and(|buf| self.growable_bufs.reserve_of(buf).is_some())
     }
 
     fn free(&self, device: Device, storage: Storage) {
         let bytes = storage.bytes();
         match storage.into_host() {
-            Ok(buf) => match self.forget_growable(&buf) {
-                Some(reserve) => {
-                    // SAFETY: made by `map_growable` with this reserve (so it was listed in
-                    // `growable_bufs`), and being freed: nothing uses it any more.
-                    #[cfg(unix)]
-                    unsafe {
-                        cpu::unmap_growable(buf, reserve)
-                    };
-                    #[cfg(not(unix))]
-                    let _ = (buf, reserve);
-                }
-                None => self.host.free(device, Storage::Host(buf)),
+            // SAFETY: given to `free`, so an owned buffer (views never are), which nothing uses
+            // any more.
+            Ok(buf) => match unsafe { self.growable_bufs.unmap(buf) } {
+                Ok(()) => {}
+                Err(buf) => self.host.free(device, Storage::Host(buf)),
             },
             Err(storage) => self.host.free(device, storage),
         }
@@ -366,6 +321,16 @@ impl Backend for CountingBackend {
             bytes_allocated: self.outstanding_bytes(),
         }
     }
+}
+
+/// Whether the CPU backend makes planned caches' blocks growable in place on this host: it
+/// maps a block of 32 MiB or more in 2 MiB granules within a reserve of addresses as large as
+/// a GPU's memory, as the CUDA backend does (so a replay through it holds what an H100 holds),
+/// where the host grants that reserve without accounting it; valgrind does not, nor does a
+/// kernel with `vm.overcommit_memory = 2`, and there blocks are allocated as any other (and
+/// without `mmap`, off Unix, too).
+pub fn host_grows_blocks() -> bool {
+    cpu::host_grants_growable()
 }
 
 /// Routes this thread's `Device::Cpu` allocations to `backend` until the guard drops.
@@ -440,16 +405,15 @@ mod tests {
     fn growable_blocks_grow_as_far_as_their_reserve() {
         // As large as an H100's memory at least.
         const { assert!(GROWABLE_RESERVE >= 80 << 30) };
-        let granted = cpu::map_growable(GROWABLE_RESERVE, 4096).map(|probe| {
-            // SAFETY: just made with this reserve, unused.
-            unsafe { cpu::unmap_growable(probe, GROWABLE_RESERVE) }
-        });
+        let granted = host_grows_blocks();
         let backend = CountingBackend::new();
         backend.set_growable(true);
         backend.set_granularity(2 << 20);
         let storage = backend.alloc_growable(Device::Cpu, 40 << 20).unwrap();
-        let reserve = storage.host().and_then(|buf| backend.reserve_of(buf));
-        let expected = if granted.is_some() {
+        let reserve = storage
+            .host()
+            .and_then(|buf| backend.growable_bufs.reserve_of(buf));
+        let expected = if granted {
             GROWABLE_RESERVE
         } else {
             FALLBACK_RESERVE

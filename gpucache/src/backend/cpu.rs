@@ -5,12 +5,25 @@
 //! global allocator cannot hand out lazily zeroed memory at 64-byte alignment: it zeroes every
 //! byte itself); elsewhere they come from the global allocator too. Either way a new buffer
 //! costs system calls, page faults or a memset; recycling it through a cache skips all three.
+//!
+//! A planned cache's block (asked for with [`Backend::alloc_growable`]) of at least
+//! [`GROWABLE_MIN`] bytes is growable in place, as the CUDA backend's are: a mapping that
+//! reserves [`GROWABLE_RESERVE`] bytes of addresses and reserves no memory for them (the kernel
+//! backs the pages touched), of which the block holds the first bytes, in multiples of
+//! [`HOST_GRANULE`]. A step larger than its plan grows the block under the arrays it keeps
+//! alive, where a block that cannot grow is replaced by a larger one while the old one is still
+//! held (Keypoint R-CNN's varying inference replayed held 2.05x its peak live bytes so, 1.27x
+//! grown, as on an H100). Where the kernel refuses that many addresses (valgrind does, and so
+//! does a kernel that accounts every mapping, `vm.overcommit_memory = 2`), the block is
+//! allocated as any other, not growable.
 
 use std::alloc::{self, Layout};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use super::{AllocError, Backend, HOST_ALIGN, Storage};
+use parking_lot::Mutex;
+
+use super::{AllocError, Backend, GROWABLE_MIN, HOST_ALIGN, Storage};
 use crate::{Device, DeviceStats, Result};
 
 /// An owned, [`HOST_ALIGN`]-aligned, initialised host allocation of `bytes > 0` bytes.
@@ -112,12 +125,111 @@ impl HostBuf {
 /// Buffers of at least this many bytes are mapped from the kernel directly.
 pub(crate) const MAP_THRESHOLD: usize = 1 << 20;
 
+/// The bytes a growable host buffer may grow to: as much as a GPU's memory, as the CUDA backend
+/// reserves (addresses only: the kernel backs the pages touched).
+pub(crate) const GROWABLE_RESERVE: usize = if usize::BITS >= 64 { 1 << 37 } else { 1 << 30 };
+
+/// The CPU backend's growable blocks are mapped in multiples of this: the granule of the CUDA
+/// backend's mappings on an H100 and an H200 (and x86-64's huge page), so that a planned cache
+/// holds on the CPU what it holds on such a GPU (the rounding is room a later plan may fit in).
+pub(crate) const HOST_GRANULE: usize = 2 << 20;
+
+/// The bytes a growable block asked for `bytes` maps, in multiples of `granularity` (0: as
+/// asked); `None` when it is not made growable: past [`GROWABLE_RESERVE`], or, at a
+/// granularity, smaller than [`GROWABLE_MIN`] (as the CUDA backend takes those from its pool).
+pub(crate) fn growable_size(bytes: usize, granularity: usize) -> Option<usize> {
+    match granularity {
+        0 => Some(bytes),
+        _ if bytes < GROWABLE_MIN => None,
+        g => bytes.checked_next_multiple_of(g),
+    }
+    .filter(|&b| b <= GROWABLE_RESERVE)
+}
+
+/// The growable host buffers a backend made, each with the bytes it may grow to: the backend
+/// grows them and unmaps them whole through this list (a buffer's own size says nothing of its
+/// reserve).
+#[derive(Debug, Default)]
+pub(crate) struct GrowableBufs(Mutex<Vec<(usize, usize)>>);
+
+impl GrowableBufs {
+    /// A buffer of `bytes > 0` in a mapping of the first of `reserves` (each at least `bytes`)
+    /// the host grants, listed; `None` when it grants none (and always without `mmap`).
+    pub(crate) fn map(&self, bytes: usize, reserves: &[usize]) -> Option<HostBuf> {
+        let (buf, reserve) = reserves
+            .iter()
+            .filter(|&&reserve| bytes <= reserve)
+            .find_map(|&reserve| Some((map_growable(reserve, bytes)?, reserve)))?;
+        self.0.lock().push((buf.ptr.as_ptr().addr(), reserve));
+        Some(buf)
+    }
+
+    /// The bytes `buf` may grow to, if it is a listed buffer.
+    pub(crate) fn reserve_of(&self, buf: &HostBuf) -> Option<usize> {
+        let addr = buf.ptr.as_ptr().addr();
+        let bufs = self.0.lock();
+        bufs.iter().find(|&&(p, _)| p == addr).map(|&(_, r)| r)
+    }
+
+    /// Grows `buf` to `bytes` when it is a listed buffer whose reserve holds that many (true
+    /// then, also when it holds them already).
+    pub(crate) fn grow(&self, buf: &HostBuf, bytes: usize) -> bool {
+        if self.reserve_of(buf).is_none_or(|reserve| bytes > reserve) {
+            return false;
+        }
+        if bytes > buf.bytes() {
+            // SAFETY: listed, so made by `map` (`map_growable`) with a reserve of at least
+            // `bytes`, more than it holds.
+            unsafe { buf.grow_to(bytes) };
+        }
+        true
+    }
+
+    /// Unmaps `buf` whole, and unlists it, if it is a listed buffer; gives it back otherwise.
+    ///
+    /// # Safety
+    /// `buf` owns its memory (it is not a [`HostBuf::view`]), and nothing uses that memory any
+    /// more.
+    pub(crate) unsafe fn unmap(&self, buf: HostBuf) -> Result<(), HostBuf> {
+        let addr = buf.ptr.as_ptr().addr();
+        let listed = {
+            let mut bufs = self.0.lock();
+            let at = bufs.iter().position(|&(p, _)| p == addr);
+            at.map(|i| bufs.swap_remove(i).1)
+        };
+        let Some(reserve) = listed else {
+            return Err(buf);
+        };
+        // SAFETY: listed, so made by `map_growable` with this reserve; it owns the mapping,
+        // unused (caller), and was unlisted above, so it is unmapped once.
+        #[cfg(unix)]
+        unsafe {
+            unmap(buf.ptr, reserve)
+        };
+        #[cfg(not(unix))]
+        let _ = reserve;
+        Ok(())
+    }
+}
+
+/// Whether the host grants a growable buffer its [`GROWABLE_RESERVE`] of addresses (valgrind
+/// does not, nor does a kernel that accounts every mapping, `vm.overcommit_memory = 2`).
+pub(crate) fn host_grants_growable() -> bool {
+    let probe = GrowableBufs::default();
+    probe.map(4096, &[GROWABLE_RESERVE]).is_some_and(|buf| {
+        // SAFETY: just made, owned, unused.
+        unsafe { probe.unmap(buf) }.is_ok()
+    })
+}
+
 /// Host memory, with counts of what was allocated and freed.
 #[derive(Debug, Default)]
 pub(crate) struct CpuBackend {
     allocs: AtomicU64,
     frees: AtomicU64,
     outstanding: AtomicUsize,
+    /// The planned caches' growable blocks.
+    growable: GrowableBufs,
 }
 
 impl CpuBackend {
@@ -172,29 +284,19 @@ fn map(_bytes: usize) -> Option<NonNull<u8>> {
 }
 
 /// A buffer of `bytes` in a mapping of `reserve >= bytes > 0` bytes, which it may grow into in
-/// place ([`HostBuf::set_view_len`] is how: the kernel backs only the pages touched, and the
-/// mapping reserves no swap, so a reserve as large as a GPU's memory costs addresses only). For
-/// the testing backend's growable blocks; `None` when the mapping fails, or without `mmap`.
+/// place ([`HostBuf::grow_to`] is how: the kernel backs only the pages touched, and the mapping
+/// reserves no swap, so a reserve as large as a GPU's memory costs addresses only); `None` when
+/// the mapping fails, or without `mmap`. Listed by [`GrowableBufs::map`].
 #[cfg(unix)]
-pub(crate) fn map_growable(reserve: usize, bytes: usize) -> Option<HostBuf> {
+fn map_growable(reserve: usize, bytes: usize) -> Option<HostBuf> {
     debug_assert!(0 < bytes && bytes <= reserve);
     map_with(reserve, libc::MAP_NORESERVE).map(|ptr| HostBuf::new(ptr, bytes))
 }
 
 /// Without `mmap`, no buffer is growable.
 #[cfg(not(unix))]
-pub(crate) fn map_growable(_reserve: usize, _bytes: usize) -> Option<HostBuf> {
+fn map_growable(_reserve: usize, _bytes: usize) -> Option<HostBuf> {
     None
-}
-
-/// Unmaps a buffer made by [`map_growable`] with this `reserve`.
-///
-/// # Safety
-/// `buf` was made by [`map_growable`] with `reserve`, and nothing uses its memory any more.
-#[cfg(unix)]
-pub(crate) unsafe fn unmap_growable(buf: HostBuf, reserve: usize) {
-    // SAFETY: the whole mapping `map_growable` made, unused (caller).
-    unsafe { unmap(buf.ptr, reserve) };
 }
 
 /// Whether buffers of `bytes` are mapped (see [`MAP_THRESHOLD`]).
@@ -220,6 +322,40 @@ impl Backend for CpuBackend {
         Ok(Storage::Host(HostBuf::new(ptr, bytes)))
     }
 
+    fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
+        let buf = growable_size(bytes, HOST_GRANULE)
+            .and_then(|mapped| self.growable.map(mapped, &[GROWABLE_RESERVE]));
+        let Some(buf) = buf else {
+            return self.alloc(device, bytes, false);
+        };
+        self.allocs.fetch_add(1, Ordering::Relaxed);
+        self.outstanding.fetch_add(buf.bytes(), Ordering::Relaxed);
+        Ok(Storage::Host(buf))
+    }
+
+    fn grow(&self, _device: Device, storage: &Storage, bytes: usize) -> Result<bool, AllocError> {
+        let (Some(buf), Some(bytes)) = (storage.host(), growable_size(bytes, HOST_GRANULE)) else {
+            return Ok(false);
+        };
+        let before = buf.bytes();
+        if !self.growable.grow(buf, bytes) {
+            return Ok(false);
+        }
+        if bytes > before {
+            // Counted as an allocation of the new bytes, as the CUDA backend's growth is.
+            self.allocs.fetch_add(1, Ordering::Relaxed);
+            self.outstanding
+                .fetch_add(bytes - before, Ordering::Relaxed);
+        }
+        Ok(true)
+    }
+
+    fn is_growable(&self, storage: &Storage) -> bool {
+        storage
+            .host()
+            .is_some_and(|buf| self.growable.reserve_of(buf).is_some())
+    }
+
     fn free(&self, _device: Device, storage: Storage) {
         #[cfg_attr(not(feature = "cuda"), expect(clippy::infallible_destructuring_match))]
         let buf = match storage {
@@ -228,13 +364,20 @@ impl Backend for CpuBackend {
             #[cfg(feature = "cuda")]
             other => return drop(other),
         };
-        if mapped(buf.bytes()) {
-            // SAFETY: buffers of this size were mapped by `map` with exactly this length, are
-            // owned by `buf` and are unmapped once, here.
-            #[cfg(unix)]
-            unsafe {
-                unmap(buf.ptr, buf.bytes())
-            };
+        let bytes = buf.bytes();
+        if mapped(bytes) {
+            // SAFETY: given to `free`, so an owned buffer (views never are), which nothing
+            // uses any more.
+            if let Err(buf) = unsafe { self.growable.unmap(buf) } {
+                // SAFETY: not growable, so a buffer of this size mapped by `map` with exactly
+                // this length; owned by `buf` and unmapped once, here.
+                #[cfg(unix)]
+                unsafe {
+                    unmap(buf.ptr, bytes)
+                };
+                #[cfg(not(unix))]
+                let _ = buf;
+            }
         } else {
             // SAFETY: `Layout::from_size_align` accepted this size and alignment when `buf` was
             // allocated, so they satisfy its conditions.
@@ -244,7 +387,7 @@ impl Backend for CpuBackend {
             unsafe { alloc::dealloc(buf.ptr.as_ptr(), layout) };
         }
         self.frees.fetch_add(1, Ordering::Relaxed);
-        self.outstanding.fetch_sub(buf.bytes(), Ordering::Relaxed);
+        self.outstanding.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     fn stats(&self, _device: Device) -> DeviceStats {
@@ -253,5 +396,72 @@ impl Backend for CpuBackend {
             frees: self.frees.load(Ordering::Relaxed),
             bytes_allocated: self.outstanding.load(Ordering::Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host buffer of storage the CPU backend made.
+    fn host_mut(storage: &mut Storage) -> &mut HostBuf {
+        match storage {
+            Storage::Host(buf) => buf,
+            #[cfg(feature = "cuda")]
+            _ => unreachable!("made by the CPU backend"),
+        }
+    }
+
+    /// Where the host grants the reserve, a planned cache's block of the CPU backend is mapped
+    /// in granules and grows in place, keeping its address and its bytes, each growth counted
+    /// as an allocation of the new bytes; below `GROWABLE_MIN` (and where the host refuses the
+    /// reserve, as valgrind does) a block is allocated as any other and never grows.
+    #[test]
+    fn growable_blocks_grow_in_place_in_granules() {
+        let backend = CpuBackend::default();
+        let small = backend.alloc_growable(Device::Cpu, 1 << 20).unwrap();
+        assert!(!backend.is_growable(&small));
+        assert!(matches!(
+            backend.grow(Device::Cpu, &small, 2 << 20),
+            Ok(false)
+        ));
+        backend.free(Device::Cpu, small);
+        let mut storage = backend.alloc_growable(Device::Cpu, (40 << 20) + 1).unwrap();
+        let stats = || backend.stats(Device::Cpu);
+        if !host_grants_growable() {
+            assert!(!backend.is_growable(&storage));
+            assert_eq!(storage.bytes(), (40 << 20) + 1);
+            backend.free(Device::Cpu, storage);
+            return;
+        }
+        assert!(backend.is_growable(&storage));
+        assert_eq!(storage.bytes(), 42 << 20, "rounded up to the granule");
+        assert_eq!((stats().allocs, stats().bytes_allocated), (2, 42 << 20));
+        let start = storage.host().unwrap().ptr();
+        host_mut(&mut storage).write(&[7; 4096]).unwrap();
+        assert!(matches!(
+            backend.grow(Device::Cpu, &storage, (100 << 20) - 1),
+            Ok(true)
+        ));
+        assert_eq!(storage.host().unwrap().ptr(), start, "grown in place");
+        assert_eq!(storage.bytes(), 100 << 20);
+        assert_eq!((stats().allocs, stats().bytes_allocated), (3, 100 << 20));
+        let mut read = vec![0; 4096];
+        storage.host().unwrap().read(&mut read).unwrap();
+        assert!(read.iter().all(|&b| b == 7), "the bytes before stay");
+        // The last byte grown is memory of the buffer's own.
+        host_mut(&mut storage).zero(100 << 20).unwrap();
+        // Growing to less than it holds, or past the reserve, changes nothing.
+        assert!(matches!(
+            backend.grow(Device::Cpu, &storage, 50 << 20),
+            Ok(true)
+        ));
+        assert!(matches!(
+            backend.grow(Device::Cpu, &storage, GROWABLE_RESERVE + 1),
+            Ok(false)
+        ));
+        assert_eq!((stats().allocs, stats().bytes_allocated), (3, 100 << 20));
+        backend.free(Device::Cpu, storage);
+        assert_eq!((stats().frees, stats().bytes_allocated), (2, 0));
     }
 }

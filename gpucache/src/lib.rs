@@ -237,8 +237,9 @@
 //!   new bytes are mapped; the old block is not freed) when no array uses it: the block a plan
 //!   gives up is kept for the next plan's block, and freed first if the cache would otherwise
 //!   hold more than it ever has. On CUDA, freeing such a block waits for the device to finish
-//!   with it. Where the host refuses the addresses (valgrind, `vm.overcommit_memory = 2`) the
-//!   CPU's blocks are allocated as any other; a larger plan then takes a new block while arrays
+//!   with it. Where the host refuses the addresses (valgrind, `vm.overcommit_memory = 2`), and
+//!   in a process whose addresses are limited (`ulimit -v`, which the reserve would count
+//!   against), the CPU's blocks are allocated as any other; a larger plan then takes a new block while arrays
 //!   still hold the old one (Keypoint R-CNN's varying inference, replayed: 2.05x of its peak
 //!   live bytes so, 1.27x grown).
 //!   [`Reuse`] does not apply.

@@ -326,11 +326,12 @@ impl Backend for CountingBackend {
 /// Whether the CPU backend makes planned caches' blocks growable in place on this host: it
 /// maps a block of 32 MiB or more in 2 MiB granules within a reserve of addresses as large as
 /// a GPU's memory, as the CUDA backend does (so a replay through it holds what an H100 holds),
-/// where the host grants that reserve without accounting it; valgrind does not, nor does a
+/// where the host grants that reserve without accounting it and the process's addresses are not
+/// limited (`ulimit -v`, which a reserve counts against); valgrind does not grant it, nor does a
 /// kernel with `vm.overcommit_memory = 2`, and there blocks are allocated as any other (and
 /// without `mmap`, off Unix, too).
 pub fn host_grows_blocks() -> bool {
-    cpu::host_grants_growable()
+    cpu::grows_blocks()
 }
 
 /// Routes this thread's `Device::Cpu` allocations to `backend` until the guard drops.
@@ -405,7 +406,7 @@ mod tests {
     fn growable_blocks_grow_as_far_as_their_reserve() {
         // As large as an H100's memory at least.
         const { assert!(GROWABLE_RESERVE >= 80 << 30) };
-        let granted = host_grows_blocks();
+        let granted = cpu::host_grants_reserve();
         let backend = CountingBackend::new();
         backend.set_growable(true);
         backend.set_granularity(2 << 20);

@@ -15,7 +15,8 @@
 //! held (Keypoint R-CNN's varying inference replayed held 2.05x its peak live bytes so, 1.27x
 //! grown, as on an H100). Where the kernel refuses that many addresses (valgrind does, and so
 //! does a kernel that accounts every mapping, `vm.overcommit_memory = 2`), the block is
-//! allocated as any other, not growable.
+//! allocated as any other, not growable; so it is in a process whose addresses are limited
+//! (`RLIMIT_AS`, `ulimit -v`), which a reserve would count against.
 
 use std::alloc::{self, Layout};
 use std::ptr::{self, NonNull};
@@ -214,12 +215,39 @@ impl GrowableBufs {
 
 /// Whether the host grants a growable buffer its [`GROWABLE_RESERVE`] of addresses (valgrind
 /// does not, nor does a kernel that accounts every mapping, `vm.overcommit_memory = 2`).
-pub(crate) fn host_grants_growable() -> bool {
+pub(crate) fn host_grants_reserve() -> bool {
     let probe = GrowableBufs::default();
     probe.map(4096, &[GROWABLE_RESERVE]).is_some_and(|buf| {
         // SAFETY: just made, owned, unused.
         unsafe { probe.unmap(buf) }.is_ok()
     })
+}
+
+/// Whether the process's addresses are limited (`RLIMIT_AS`, `ulimit -v`): a reserve counts
+/// against that limit though no memory backs it, so under one the CPU backend makes no block
+/// growable (128 GiB of addresses per block would be taken from what the process's other
+/// allocations may use).
+#[cfg(unix)]
+fn addresses_limited() -> bool {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid `rlimit` for the call to write.
+    let r = unsafe { libc::getrlimit(libc::RLIMIT_AS, &raw mut limit) };
+    r != 0 || limit.rlim_cur != libc::RLIM_INFINITY
+}
+
+/// Without `mmap`, no block is growable anyway.
+#[cfg(not(unix))]
+fn addresses_limited() -> bool {
+    true
+}
+
+/// Whether the CPU backend makes planned caches' blocks growable in this process: the host
+/// grants the reserve, and the process's addresses are not limited.
+pub(crate) fn grows_blocks() -> bool {
+    !addresses_limited() && host_grants_reserve()
 }
 
 /// Host memory, with counts of what was allocated and freed.
@@ -324,6 +352,7 @@ impl Backend for CpuBackend {
 
     fn alloc_growable(&self, device: Device, bytes: usize) -> Result<Storage, AllocError> {
         let buf = growable_size(bytes, HOST_GRANULE)
+            .filter(|_| !addresses_limited())
             .and_then(|mapped| self.growable.map(mapped, &[GROWABLE_RESERVE]));
         let Some(buf) = buf else {
             return self.alloc(device, bytes, false);
@@ -428,7 +457,7 @@ mod tests {
         backend.free(Device::Cpu, small);
         let mut storage = backend.alloc_growable(Device::Cpu, (40 << 20) + 1).unwrap();
         let stats = || backend.stats(Device::Cpu);
-        if !host_grants_growable() {
+        if !grows_blocks() {
             assert!(!backend.is_growable(&storage));
             assert_eq!(storage.bytes(), (40 << 20) + 1);
             backend.free(Device::Cpu, storage);
@@ -463,5 +492,44 @@ mod tests {
         assert_eq!((stats().allocs, stats().bytes_allocated), (3, 100 << 20));
         backend.free(Device::Cpu, storage);
         assert_eq!((stats().frees, stats().bytes_allocated), (2, 0));
+    }
+
+    /// Under a limit on the process's addresses (`ulimit -v`, which a reserve counts against),
+    /// no block is made growable: checked in a child process of this test binary run under
+    /// such a limit (the limit is the whole process's, so not set in this one).
+    #[cfg(unix)]
+    #[test]
+    fn no_block_is_growable_under_a_limit_on_addresses() {
+        const CHILD: &str = "GPUCACHE_TEST_ADDRESSES_LIMITED";
+        const NAME: &str = "backend::cpu::tests::no_block_is_growable_under_a_limit_on_addresses";
+        if std::env::var_os(CHILD).is_some() {
+            assert!(addresses_limited());
+            let backend = CpuBackend::default();
+            let storage = backend.alloc_growable(Device::Cpu, 40 << 20).unwrap();
+            assert!(!backend.is_growable(&storage));
+            assert_eq!(storage.bytes(), 40 << 20, "as asked, not in granules");
+            backend.free(Device::Cpu, storage);
+            return;
+        }
+        let exe = std::env::current_exe().unwrap();
+        // 192 GiB of addresses: room for a reserve of 128 GiB, which would take two thirds of
+        // them (a lower limit already set stays; a reserve fails under it anyway).
+        let child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -v 201326592 2>/dev/null; exec \"$0\" --exact \"$1\" --test-threads=1")
+            .arg(&exe)
+            .arg(NAME)
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        assert!(
+            child.status.success(),
+            "the child under `ulimit -v`: {}\n{}{}",
+            child.status,
+            String::from_utf8_lossy(&child.stdout),
+            String::from_utf8_lossy(&child.stderr)
+        );
+        let out = String::from_utf8_lossy(&child.stdout);
+        assert!(out.contains("1 passed"), "the child ran the test: {out}");
     }
 }

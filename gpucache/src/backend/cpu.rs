@@ -127,7 +127,9 @@ impl HostBuf {
 pub(crate) const MAP_THRESHOLD: usize = 1 << 20;
 
 /// The bytes a growable host buffer may grow to: as much as a GPU's memory, as the CUDA backend
-/// reserves (addresses only: the kernel backs the pages touched).
+/// reserves (addresses only: the kernel backs the pages touched). With 1 GiB, a plan's block of
+/// EfficientNet-B0 trained on a batch of up to 64 could not grow, and the replay held 1.187x of
+/// peak live where an H200 held 1.035x.
 pub(crate) const GROWABLE_RESERVE: usize = if usize::BITS >= 64 { 1 << 37 } else { 1 << 30 };
 
 /// The CPU backend's growable blocks are mapped in multiples of this: the granule of the CUDA

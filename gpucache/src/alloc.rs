@@ -265,6 +265,27 @@ fn note_out_of_memory(
     }
 }
 
+/// A dropped array's buffer and home, taken from the array: the common drops on the owner
+/// thread are served before the buffer leaves the array ([`cache::drop_here`]); any other goes
+/// to [`release`]. (Moved through the calls of [`release`] first, the buffer was copied
+/// through the stack on the way.)
+#[inline(always)]
+pub(crate) fn release_from(block: &mut Option<Block>, home: &mut Option<Home>) {
+    #[cfg(feature = "cuda")]
+    let holding = capture::holding();
+    #[cfg(not(feature = "cuda"))]
+    let holding = false;
+    if let Some(h) = home
+        && !holding
+        && cache::drop_here(block, h, scope::current_ptr())
+    {
+        return;
+    }
+    if let Some(block) = block.take() {
+        release(block, home.take());
+    }
+}
+
 /// Where a dropped array's buffer goes: to the step graph run in progress on this thread, if
 /// it holds buffers; else back to the buffer's cache, or to the device when it has none.
 #[inline(always)]

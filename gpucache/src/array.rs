@@ -260,10 +260,7 @@ impl<T: Element> Array<T> {
 
 impl<T: Element> Drop for Array<T> {
     fn drop(&mut self) {
-        let Some(block) = self.block.take() else {
-            return;
-        };
-        alloc::release(block, self.home.take());
+        alloc::release_from(&mut self.block, &mut self.home);
     }
 }
 

@@ -269,7 +269,7 @@ use crate::trace::record::{self, CellName, EventKind, Note};
 use crate::{Device, Result};
 use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
-    view_size,
+    is_arena_slot, view_size,
 };
 use device::{Awaiting, DeviceArena, Held, LooseAt, Pin, Plan, Shelved};
 use gaps::Gaps;
@@ -2373,7 +2373,7 @@ impl CacheState {
     #[inline(always)]
     fn plan_hit(&mut self, st: &Counters, req: &Request<'_>) -> Option<(Block, u32, u32)> {
         let a = self.arenas.devices.first_mut()?;
-        if a.device != req.device || a.diverged || a.tick >= MAX_POSITIONS {
+        if a.device != req.device || a.diverged {
             return None;
         }
         let plan = a.plan.as_mut()?;
@@ -2384,6 +2384,12 @@ impl CacheState {
             return None;
         }
         let arena = plan.block?;
+        // In order, the allocation is at its own position, and a plan has at most
+        // `MAX_POSITIONS`; out of order, an allocation past them is the slow path's (the step
+        // overflowed).
+        if !plan.layout.in_order && a.tick >= MAX_POSITIONS {
+            return None;
+        }
         let size = aligned(req.bytes)?;
         let (offset, pos) = plan.layout.peek(size)?;
         let view = plan
@@ -2403,7 +2409,9 @@ impl CacheState {
         }
         plan.layout.take(pos, rec, size);
         add(&st.hits, 1);
-        Some((view, view_slot(pos), a.step))
+        // A position of a plan is below `MAX_POSITIONS` (see `view_slot`).
+        debug_assert!(pos < MAX_POSITIONS);
+        Some((view, VIEW_BASE + pos, a.step))
     }
 
     /// A view of all of `block`, a solo block for the array at `pos`.
@@ -2648,23 +2656,23 @@ impl CacheState {
 
     /// [`CacheState::drop_view`] of the common case, inlined into the array's drop: an array of
     /// this step, served at its position of the first device's plan, which the step follows,
-    /// dropped on the owner thread and used on no other stream. Its view is kept for the
-    /// position's next array, the position freed, and the drop recorded. Returns the view when
-    /// it is not that case ([`CacheState::drop_view`] takes it then).
+    /// dropped on the owner thread and used on no other stream. Its view (taken from `view`) is
+    /// kept for the position's next array, the position freed, and the drop recorded. Returns
+    /// whether it was that case (else `view` is left, and [`CacheState::drop_view`] takes it).
     #[inline(always)]
     fn drop_in_plan(
         &mut self,
         st: &Counters,
         arena: BlockPtr,
         home: &Home,
-        view: Block,
-    ) -> Option<Block> {
+        view: &mut Option<Block>,
+    ) -> bool {
         let Some(a) = self.arenas.devices.first_mut() else {
-            return Some(view);
+            return false;
         };
         let pos = home.slot - VIEW_BASE;
         let Some(plan) = a.plan.as_mut() else {
-            return Some(view);
+            return false;
         };
         // The plan's block, not retired (a plan's block is retired only once out of the plan),
         // and an array of this step (an escaped one may be pinned) at a position of the plan
@@ -2675,13 +2683,15 @@ impl CacheState {
             || a.diverged
             || plan.gaps.is_some()
         {
-            return Some(view);
+            return false;
         }
         let Some(kept) = plan.views.get_mut(pos as usize) else {
-            return Some(view);
+            return false;
         };
-        let bytes = view.bytes();
-        let size = view_size(bytes);
+        let Some(view) = view.take() else {
+            return false;
+        };
+        let size = view_size(view.bytes());
         if let Some(old) = kept.replace(view) {
             // SAFETY: a kept view was made by `Block::view`, and its block is alive.
             unsafe { old.drop_view() };
@@ -2694,7 +2704,7 @@ impl CacheState {
         if let Some(r) = a.record.get_mut(rec as usize) {
             r.end = a.tick;
         }
-        None
+        true
     }
 
     /// Takes back a view on the owner thread (lock holder): records when it dropped, frees its
@@ -2980,55 +2990,58 @@ impl CacheCell {
         }
     }
 
+    /// The common drop of a planned array, served in the array's drop before its buffer leaves
+    /// the array ([`CacheState::drop_in_plan`]), when [`super::drop_here`] found the cell
+    /// (`self`) the thread's current cache and a planned cache neither recorded nor closed (its
+    /// flags `ARENA` alone), so nothing to record: an array of its plan, whose view was used on
+    /// no other stream. `view` is taken when the drop is served; returns whether it was.
+    #[inline(always)]
+    pub(super) fn drop_in_plan_here(&self, view: &mut Option<Block>, home: &Home) -> bool {
+        if !is_arena_slot(home.slot) {
+            return false;
+        }
+        // SAFETY: (see `locked`) the thread's current cache, which is on its scope stack, so
+        // this is the owner thread, inside a scope of the cell.
+        let state = unsafe { self.locked() };
+        let Some(v) = view.as_mut() else {
+            return false;
+        };
+        // The view's backend is its arena block (see `Plan::counted_view`).
+        let Some(arena) = NonNull::new(v.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
+            return false;
+        };
+        // A device view used on its block's stream alone (the common case) has no marks to hand
+        // to the block.
+        #[cfg(feature = "cuda")]
+        if v.cuda().is_some() {
+            v.end_use();
+            // SAFETY: the block is alive while a view of it is.
+            let block = unsafe { arena.as_ref() }.block.cuda();
+            if !v
+                .cuda_mut()
+                .is_some_and(|c| block.is_some_and(|b| c.used_on_stream_of(b)))
+            {
+                return false;
+            }
+        }
+        state.drop_in_plan(&self.stats, arena, home, view)
+    }
+
     /// Returns a view from any thread. On the owner thread (cell open) it goes back under the
     /// lock; elsewhere only the block's count changes, and the last view of a retired block
-    /// sends the block home.
-    ///
-    /// Inlined, so that the view is taken apart in the drop's own frame rather than moved into
-    /// another one, and the common case served there ([`CacheCell::view_home`]); the rest is
-    /// out of line, in [`CacheCell::view_dropped`].
-    #[inline(always)]
+    /// sends the block home. (The common drop was served before, in the array's drop:
+    /// [`CacheCell::drop_in_plan_here`].)
+    #[inline]
     pub(super) fn send_view_home(home: Home, view: Block, current: *const CacheCell) {
         // The view's backend is its arena block (see `Plan::counted_view`).
         let Some(arena) = NonNull::new(view.backend_ptr().cast::<ArenaBlock>().cast_mut()) else {
             return;
         };
-        // A device view used on its block's stream alone (the common case) has no marks to hand
-        // to the block.
         #[cfg(feature = "cuda")]
-        let mut view = view;
-        #[cfg(feature = "cuda")]
-        if let Some(v) = view.cuda_mut() {
-            // SAFETY: the block is alive while a view of it is.
-            let block = unsafe { arena.as_ref() }.block.cuda();
-            if !block.is_some_and(|b| v.used_on_stream_of(b)) {
-                return Self::send_cuda_view_home(home, view, arena, current);
-            }
+        if view.cuda().is_some() {
+            return Self::send_cuda_view_home(home, view, arena, current);
         }
-        Self::view_home((home, view), arena, current, false);
-    }
-
-    /// [`CacheCell::view_dropped`], the common case inlined ([`CacheState::drop_in_plan`]): the
-    /// owner thread, the cell a planned cache neither recorded nor closed (its flags `ARENA`
-    /// alone), so nothing to record, and the view used on no other stream.
-    #[inline(always)]
-    fn view_home(
-        (home, view): (Home, Block),
-        arena: BlockPtr,
-        current: *const CacheCell,
-        tainted: bool,
-    ) {
-        // SAFETY: the cell is alive while the block is, which is while a view of it is (see
-        // `view_dropped`).
-        let cell = unsafe { home.cell.as_ref() };
-        let view = match cell.planned_owner(current) {
-            Some(state) if !tainted => match state.drop_in_plan(&cell.stats, arena, &home, view) {
-                Some(view) => view,
-                None => return,
-            },
-            _ => view,
-        };
-        Self::view_dropped(home, arena, current, view, tainted);
+        Self::view_dropped(home, arena, current, view, false);
     }
 
     /// The cell's state, when it is the thread's current cache (`current`) and a planned cache
@@ -3061,7 +3074,7 @@ impl CacheCell {
                 tainted = v.hand_marks_to(parent);
             }
         }
-        Self::view_home((home, view), arena, current, tainted);
+        Self::view_dropped(home, arena, current, view, tainted);
     }
 
     /// The array of `view`, a view of `arena`, dropped: the owner keeps the view for the

@@ -703,6 +703,35 @@ pub(crate) fn return_block(mut block: Block, home: Option<Home>, current: *const
     }
 }
 
+/// The common drops, served in the array's drop before its buffer leaves the array (`block`,
+/// taken when served): on the owner thread (`current`, the thread's innermost entered cache, is
+/// the array's), a plain cache's buffer goes back to its free list, and a planned cache's
+/// view to its plan ([`CacheCell::drop_in_plan_here`]). Returns whether it was served; any
+/// other drop goes to [`return_block`].
+#[inline(always)]
+pub(crate) fn drop_here(block: &mut Option<Block>, home: &Home, current: *const CacheCell) -> bool {
+    // SAFETY: `home` is alive (see `Home`), and so is its cell while the array is.
+    let cell = unsafe { home.cell.as_ref() };
+    if !ptr::eq(current, cell) {
+        return false;
+    }
+    match cell.hit_path() {
+        HitPath::FreeList => {
+            let Some(mut block) = block.take() else {
+                return false;
+            };
+            block.end_use();
+            // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this
+            // is the owner thread, inside a scope of the cell.
+            let state = unsafe { cell.locked() };
+            state.put_back(&cell.stats, true, home.slot, home.generation, block);
+            true
+        }
+        HitPath::Plan => cell.drop_in_plan_here(block, home),
+        HitPath::None => false,
+    }
+}
+
 /// Returns a block to its home cache, from any thread. `current` is the calling thread's
 /// innermost entered cache (null if none): when it is the block's home, the block goes straight
 /// back, with no check of the thread and no lock.

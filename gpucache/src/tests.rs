@@ -928,6 +928,35 @@ fn two_grown_images_do_not_scale_a_plan_that_holds_the_rest() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A step of another kind than its plan's (a smaller batch: every array so far a quarter of
+/// its position's) makes one array larger than its position: the step leaves its plan there
+/// and the block's free bytes serve the array. Served apart while the step stayed on its plan,
+/// it took a device allocation, the block three quarters free.
+#[test]
+fn a_step_short_of_its_plan_serves_a_larger_position_from_the_block() {
+    let name = "unit-short-of-plan";
+    let (backend, _installed, _serial) = planned(name);
+    let step = |first: usize, lens: &[usize]| {
+        let _scope = crate::enter(name);
+        let first = filled(first, 7);
+        assert!(first.to_vec().unwrap().iter().all(|&e| e == 7));
+        drop(first);
+        chain(lens.iter().copied());
+    };
+    for _ in 0..3 {
+        step(1 << 20, &[8 * 1024; 8]);
+    }
+    let allocs = backend.allocs();
+    let mut short = [2 * 1024; 8];
+    // 60 KiB where the plan has 32 KiB: under a 64th of the plan's 4 MiB, which a step that
+    // stays on its plan serves apart.
+    short[4] = 15 * 1024;
+    step(1 << 18, &short);
+    assert_eq!(backend.allocs(), allocs, "the block served the step");
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// `invalidate` and `empty_cache` are a cold start: the steps that left their plans in a row
 /// before it are forgotten, and the first step after it, which has no plan, left none. With
 /// the first step counted as one that left its plan, the second step after the cold start left

@@ -105,6 +105,17 @@ pub(super) enum Awaiting {
     Solo { pos: u32 },
 }
 
+/// A tally of a step's allocations so far, each against the position it was matched with.
+#[derive(Default)]
+pub(super) struct Tally {
+    /// How many entries of the step's record are counted.
+    pub(super) counted: usize,
+    /// Their aligned bytes.
+    pub(super) got: usize,
+    /// The bytes of their positions (none for one matched with no position, or apart).
+    pub(super) planned: usize,
+}
+
 /// The planned cache of one device.
 pub(in crate::cache) struct DeviceArena {
     pub(super) device: Device,
@@ -129,6 +140,8 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) grown: usize,
     /// How many arrays make up [`DeviceArena::grown`].
     pub(super) grown_arrays: usize,
+    /// The step's allocations tallied so far ([`DeviceArena::short_of_plan`]).
+    pub(super) tally: Tally,
     /// Device allocations of this step (blocks, and arrays apart that no spare served).
     pub(super) allocated: usize,
     /// Steps in a row that left their plans, up to the last that ended.

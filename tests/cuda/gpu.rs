@@ -1276,6 +1276,29 @@ fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// An array no cache holds (made outside any scope), dropped on a thread the device's context
+/// was never made current on: its memory goes back to the device with no driver error. cudarc
+/// frees in the thread's current context, and made it current only to wait for the slice's
+/// events, which it does only while the context has streams of its own: the free failed with
+/// `CUDA_ERROR_INVALID_CONTEXT`, recorded in the context for a later call to report, and the
+/// memory stayed allocated (found with `GPUCACHE_DISABLE=1`, where every array is freed so).
+fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> TestResult {
+    let ctx = gpucache::cuda::context(dev)?;
+    ctx.check_err()?;
+    let before = gpucache::device_stats(dev)?;
+    let a = Array::<f32>::from_slice(dev, &[3.0; 4096], 4096)?;
+    assert!(a.to_vec()?.iter().all(|&x| x == 3.0));
+    std::thread::spawn(move || drop(a))
+        .join()
+        .expect("dropped on another thread");
+    current(dev).synchronize()?;
+    // The error a failed free would have recorded, reported here.
+    ctx.check_err()?;
+    let after = gpucache::device_stats(dev)?;
+    assert_eq!(after.bytes_allocated, before.bytes_allocated, "{after}");
+    Ok(())
+}
+
 /// A test that needs a GPU, run on CUDA device 0.
 pub type GpuTest = fn(Device) -> TestResult;
 
@@ -1301,6 +1324,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     out_of_memory_releases_the_cache_and_reports_a_typed_error,
     releasing_the_cache_lets_a_tight_allocation_succeed,
     out_of_memory_recovery_frees_a_buffer_dropped_on_another_thread,
+    an_array_dropped_on_a_thread_without_the_context_goes_back,
     bool_arrays_read_any_nonzero_byte_as_true,
     zero_size_arrays_and_stream_marks,
     immediate_reuse_is_stream_ordered,

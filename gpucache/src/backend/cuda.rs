@@ -672,6 +672,18 @@ impl CudaBuf {
     }
 }
 
+/// Makes `ctx` current on this thread. cudarc's `bind_to_thread` returns (and clears) an error
+/// recorded earlier in the context instead of binding: that error is recorded again, and the
+/// binding made (a drop that did not bind after an unrelated error freed in no context, and a
+/// growable block was leaked).
+fn bind(ctx: &CudaContext) -> Result<(), DriverError> {
+    ctx.bind_to_thread().or_else(|pending| {
+        let bound = ctx.bind_to_thread();
+        ctx.record_err::<()>(Err(pending));
+        bound
+    })
+}
+
 impl Drop for CudaBuf {
     /// cudarc frees the slice on the stream it was allocated on, after its tracked reads and
     /// writes. Order that free after the owner's stream and the marked streams too.
@@ -689,6 +701,10 @@ impl Drop for CudaBuf {
         }
         let free_stream = Arc::clone(self.slice.stream());
         let ctx = free_stream.context();
+        // A buffer may be freed on any thread (an array dropped on another one, whose cache
+        // cannot take it back, or that has none): cudarc frees in the thread's current context,
+        // and makes it current only to wait for the slice's own events.
+        ctx.record_err(bind(ctx));
         for event in &self.events {
             ctx.record_err(free_stream.wait(event));
         }
@@ -722,7 +738,7 @@ impl CudaBuf {
             .try_for_each(CudaEvent::synchronize)
             .and_then(|()| self.stream.synchronize())
             .and_then(|()| slice_stream.synchronize())
-            .and_then(|()| ctx.bind_to_thread());
+            .and_then(|()| bind(&ctx));
         match idle {
             // SAFETY: the block's own stream, the slice's and the streams its owners were
             // marked as used on (their events, recorded by `end_use`; views hand their streams

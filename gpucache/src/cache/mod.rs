@@ -734,18 +734,22 @@ pub(crate) fn drop_here(block: &mut Option<Block>, home: &Home, current: *const 
 
 /// Returns a block to its home cache, from any thread. `current` is the calling thread's
 /// innermost entered cache (null if none): when it is the block's home, the block goes straight
-/// back, with no check of the thread and no lock.
+/// back, with no check of the thread and no lock ([`drop_here`], which an array's drop tries
+/// first).
 #[inline]
 fn send_home(home: Home, block: Block, current: *const CacheCell) {
+    let mut block = Some(block);
+    if drop_here(&mut block, &home, current) {
+        return;
+    }
+    // Not served, so not taken.
+    let Some(block) = block else {
+        return;
+    };
     // SAFETY: `home` is alive (see `Home`), and the reference is not used after the cell could
     // have been freed (the remote path drops its last use before releasing the keep-alive).
     let cell = unsafe { home.cell.as_ref() };
-    if ptr::eq(current, cell) && cell.is_plain() {
-        // SAFETY: (see `locked`) the thread's current cache is on its scope stack, so this is the
-        // owner thread, inside a scope of the cell.
-        let state = unsafe { cell.locked() };
-        state.put_back(&cell.stats, true, home.slot, home.generation, block);
-    } else if is_arena_slot(home.slot) {
+    if is_arena_slot(home.slot) {
         CacheCell::send_view_home(home, block, current);
     } else if cell.traced() {
         traced::send_home_traced(home, block, current);

@@ -22,8 +22,9 @@
 //!
 //! Zeroing is decided once per allocation, from its [`Init`] and element type
 //! ([`Init::must_zero`]).
-//! A drop goes the other way ([`release`]): to a step graph run that holds its buffers, else
-//! back to the buffer's cache, or to the device.
+//! A drop goes the other way ([`release_from`]): the common drops on the owner thread served
+//! while the buffer is still in the array; any other ([`release`]) to a step graph run that
+//! holds its buffers, else back to the buffer's cache, or to the device.
 
 use crate::backend::{self, AllocError, Backend, Block};
 use crate::cache::{self, CacheCell, Got, HitPath, Home, Make, Request, Take};

@@ -1282,6 +1282,7 @@ fn cache_step<R>(name: &str, f: impl FnOnce() -> R) -> R {
 /// events, which it does only while the context has streams of its own: the free failed with
 /// `CUDA_ERROR_INVALID_CONTEXT`, recorded in the context for a later call to report, and the
 /// memory stayed allocated (found with `GPUCACHE_DISABLE=1`, where every array is freed so).
+/// So too after an unrelated error recorded in the context.
 fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> TestResult {
     let ctx = gpucache::cuda::context(dev)?;
     ctx.check_err()?;
@@ -1296,6 +1297,18 @@ fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> Te
     ctx.check_err()?;
     let after = gpucache::device_stats(dev)?;
     assert_eq!(after.bytes_allocated, before.bytes_allocated, "{after}");
+    // An error recorded in the context before the drop (by an earlier call) does not keep the
+    // buffer from being freed, in the right context (cudarc's calls return it in place of
+    // their work), and is reported after it.
+    let b = Array::<f32>::from_slice(dev, &[4.0; 4096], 4096)?;
+    let earlier = DriverError(CUresult::CUDA_ERROR_NOT_READY);
+    ctx.record_err::<()>(Err(earlier));
+    std::thread::spawn(move || drop(b))
+        .join()
+        .expect("dropped on another thread");
+    assert!(ctx.check_err() == Err(earlier), "the earlier error is kept");
+    current(dev).synchronize()?;
+    ctx.check_err()?;
     Ok(())
 }
 

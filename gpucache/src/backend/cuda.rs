@@ -672,18 +672,6 @@ impl CudaBuf {
     }
 }
 
-/// Makes `ctx` current on this thread. cudarc's `bind_to_thread` returns (and clears) an error
-/// recorded earlier in the context instead of binding: that error is recorded again, and the
-/// binding made (a drop that did not bind after an unrelated error freed in no context, and a
-/// growable block was leaked).
-fn bind(ctx: &CudaContext) -> Result<(), DriverError> {
-    ctx.bind_to_thread().or_else(|pending| {
-        let bound = ctx.bind_to_thread();
-        ctx.record_err::<()>(Err(pending));
-        bound
-    })
-}
-
 impl Drop for CudaBuf {
     /// cudarc frees the slice on the stream it was allocated on, after its tracked reads and
     /// writes. Order that free after the owner's stream and the marked streams too.
@@ -701,10 +689,15 @@ impl Drop for CudaBuf {
         }
         let free_stream = Arc::clone(self.slice.stream());
         let ctx = free_stream.context();
+        // An error recorded earlier in the context is set aside while the buffer is freed, and
+        // recorded again after: cudarc's calls return it in place of their work (its
+        // `bind_to_thread` checks it first), so the waits below and the slice's own would be
+        // skipped, and the free no longer ordered after them.
+        let pending = ctx.check_err();
         // A buffer may be freed on any thread (an array dropped on another one, whose cache
         // cannot take it back, or that has none): cudarc frees in the thread's current context,
         // and makes it current only to wait for the slice's own events.
-        ctx.record_err(bind(ctx));
+        ctx.record_err(ctx.bind_to_thread());
         for event in &self.events {
             ctx.record_err(free_stream.wait(event));
         }
@@ -716,6 +709,7 @@ impl Drop for CudaBuf {
         }
         // SAFETY: `slice` is taken once, here, and `self` is not used after.
         drop(unsafe { ManuallyDrop::take(&mut self.slice) });
+        ctx.record_err(pending);
     }
 }
 
@@ -732,13 +726,17 @@ impl CudaBuf {
         // cudarc's view of the mapping: its stream waits for its events, and it is forgotten.
         slice.leak();
         let ctx = Arc::clone(self.stream.context());
+        // An error recorded earlier, set aside (see `drop`): returned by the calls below in
+        // place of their work, it had the block leaked.
+        let pending = ctx.check_err();
         let idle = self
             .events
             .iter()
             .try_for_each(CudaEvent::synchronize)
             .and_then(|()| self.stream.synchronize())
             .and_then(|()| slice_stream.synchronize())
-            .and_then(|()| bind(&ctx));
+            .and_then(|()| ctx.bind_to_thread());
+        ctx.record_err(pending);
         match idle {
             // SAFETY: the block's own stream, the slice's and the streams its owners were
             // marked as used on (their events, recorded by `end_use`; views hand their streams

@@ -3035,13 +3035,18 @@ impl CacheCell {
     /// (`self`) the thread's current cache and a planned cache neither recorded nor closed (its
     /// flags `ARENA` alone), so nothing to record: an array of its plan, whose view was used on
     /// no other stream. `view` is taken when the drop is served; returns whether it was.
+    ///
+    /// # Safety
+    ///
+    /// The cell is the calling thread's current cache (so this is its owner thread, inside a
+    /// scope of it: see `locked`).
     #[inline(always)]
-    pub(super) fn drop_in_plan_here(&self, view: &mut Option<Block>, home: &Home) -> bool {
+    pub(super) unsafe fn drop_in_plan_here(&self, view: &mut Option<Block>, home: &Home) -> bool {
         if !is_arena_slot(home.slot) {
             return false;
         }
-        // SAFETY: (see `locked`) the thread's current cache, which is on its scope stack, so
-        // this is the owner thread, inside a scope of the cell.
+        // SAFETY: the thread's current cache (the caller's contract), which is on its scope
+        // stack, so this is the owner thread, inside a scope of the cell (see `locked`).
         let state = unsafe { self.locked() };
         let Some(v) = view.as_mut() else {
             return false;

@@ -727,7 +727,8 @@ pub(crate) fn drop_here(block: &mut Option<Block>, home: &Home, current: *const 
             state.put_back(&cell.stats, true, home.slot, home.generation, block);
             true
         }
-        HitPath::Plan => cell.drop_in_plan_here(block, home),
+        // SAFETY: the cell is the thread's current cache (`current`), checked above.
+        HitPath::Plan => unsafe { cell.drop_in_plan_here(block, home) },
         HitPath::None => false,
     }
 }

@@ -2602,6 +2602,8 @@ impl CacheState {
             a.unplanned = [0; device::UNPLANNED];
             a.reordered.clear();
             a.left_in_a_row = 0;
+            // Nor does the planner's choice of its first way to place a step's arrays.
+            a.planner_hint.take();
         }
         self.live += retired;
     }

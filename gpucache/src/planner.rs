@@ -31,7 +31,7 @@
 //! one way gave them all (a detector's steps, 3-9% above their peak by weight every time), it
 //! places the next plans alone while they fit the cache's block, and every way again every
 //! eighth plan (RetinaNet v2's plans took 0.62x of the instructions over a long run, the same
-//! plans).
+//! plans). `invalidate` and `empty_cache` forget that choice with the plans (a cold start).
 //!
 //! In a dense step the smallest arrays, whose bytes together are at most a 1024th of the peak
 //! live bytes, are not placed among the rest but *stacked* on top of them, each at bytes of its

@@ -275,15 +275,11 @@ use block::{
 };
 use device::{Awaiting, DeviceArena, Held, LooseAt, Pin, Plan, Shelved, Tally};
 use gaps::Gaps;
-use layout::{Layout, NONE, OPEN, Rec, Serve};
+use layout::{Layout, MAX_POSITIONS, NONE, OPEN, Rec, Serve};
 
 /// The most small spares a device's planned cache keeps (see
 /// [`DeviceArena::free_spares_for`]): 32 KiB at most.
 const MAX_SMALL_SPARES: usize = 64;
-
-/// The most positions a step records; allocations past them are served apart, and the step is
-/// not planned (a scope that never exits must not grow its record without bound).
-const MAX_POSITIONS: u32 = 1 << 20;
 
 // A plan has at most `MAX_POSITIONS` positions: a slot at or past `GAP_BASE` is never one.
 const _: () = assert!(MAX_POSITIONS < GAP_BASE);
@@ -625,20 +621,12 @@ impl Plan {
         (bytes, size): (usize, usize),
         kept: Option<Block>,
     ) -> Result<Block> {
-        debug_assert_eq!(aligned(bytes), Some(size));
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
-        let mut view = match kept {
+        let view = match kept {
             // A view made before the block grew ends where the block ended then: one at the
             // bottom of the block's old last range may be asked to reach past it.
-            Some(view) if view.spans(bytes) => {
-                debug_assert_eq!(
-                    view.address(),
-                    counts.block.address() + offset,
-                    "a view kept for another offset"
-                );
-                view
-            }
+            Some(view) if view.spans(bytes) => view,
             short => {
                 drop_views(short);
                 let span = counts.block.bytes() - offset;
@@ -654,16 +642,15 @@ impl Plan {
                 unsafe { counts.block.view(owner, offset, span) }?
             }
         };
-        debug_assert!(0 < bytes && offset + bytes <= counts.block.bytes());
-        // SAFETY: the view is at `offset`, the block holds `offset + bytes` (`bytes` fit there),
-        // and the view reaches them: made just now over the rest of the block, or kept idle at
-        // that offset and checked (`spans`: a device view's slice ends where the block did when
-        // it was made; a host view points into the block's memory, which holds them).
-        unsafe { view.set_view_len(bytes) };
-        counts.count_view();
-        self.in_use += size;
-        uncached(st, g, size);
-        Ok(view)
+        Ok(counted(
+            &mut self.in_use,
+            st,
+            g,
+            arena,
+            offset,
+            (bytes, size),
+            view,
+        ))
     }
 
     /// Makes the plan's block `arena` ready for the step's stream, once a step: prepared for
@@ -1002,6 +989,63 @@ fn settle_record(record: &mut Vec<Rec>, tick: u32, layout: &Layout) {
             planned: k,
         });
     }
+}
+
+/// The hit path's view for an array of `bytes` bytes (`size` aligned) at position `pos` (at
+/// `offset`) of a plan's block `arena`, whose kept views are `views` and whose bytes in use
+/// `in_use` counts: the view kept for the position, when there is one that reaches them, counted
+/// (in gauge `g` of `st`) as in use. `None` leaves the allocation to the slow path
+/// ([`Plan::view`]), which finds or makes one: nothing here fails or calls out.
+#[inline(always)]
+fn kept_view(
+    views: &mut [Option<Block>],
+    in_use: &mut usize,
+    st: &Counters,
+    g: GaugeIx,
+    arena: BlockPtr,
+    (pos, offset): (u32, usize),
+    (bytes, size): (usize, usize),
+) -> Option<Block> {
+    let kept = views.get_mut(pos as usize)?;
+    if !kept.as_ref()?.spans(bytes) {
+        return None;
+    }
+    let view = kept.take()?;
+    Some(counted(in_use, st, g, arena, offset, (bytes, size), view))
+}
+
+/// `view`, at `offset` of a plan's block `arena` (whose bytes in use `in_use` counts) and
+/// reaching `bytes` bytes (`size` aligned) from there (made over the rest of the block, or kept
+/// idle at that offset and checked with [`Block::spans`]), cut to them and counted (in gauge `g`
+/// of `st`) as in use.
+#[inline(always)]
+fn counted(
+    in_use: &mut usize,
+    st: &Counters,
+    g: GaugeIx,
+    arena: BlockPtr,
+    offset: usize,
+    (bytes, size): (usize, usize),
+    mut view: Block,
+) -> Block {
+    debug_assert_eq!(aligned(bytes), Some(size));
+    // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+    let counts = unsafe { arena.as_ref() };
+    debug_assert_eq!(
+        view.address(),
+        counts.block.address() + offset,
+        "a view kept for another offset"
+    );
+    debug_assert!(0 < bytes && offset + bytes <= counts.block.bytes());
+    // SAFETY: the view is at `offset`, the block holds `offset + bytes` (`bytes` fit there),
+    // and the view reaches them: made just now over the rest of the block, or kept idle at
+    // that offset and checked (`spans`: a device view's slice ends where the block did when
+    // it was made; a host view points into the block's memory, which holds them).
+    unsafe { view.set_view_len(bytes) };
+    counts.count_view();
+    *in_use += size;
+    uncached(st, g, size);
+    view
 }
 
 /// The `slot` of the home of an array at `pos`.
@@ -1805,7 +1849,7 @@ impl DeviceArena {
     }
 
     /// Writes into the step's record the allocations the hit path served in order and left in
-    /// their positions ([`Layout::take`]): the record is read only after this.
+    /// their positions ([`Layout::hit`]): the record is read only after this.
     #[inline]
     fn settle_record(&mut self) {
         if let Some(plan) = &self.plan {
@@ -2408,7 +2452,7 @@ impl CacheState {
     }
 
     /// The hit path of a planned cache: the next position of the plan, when it is the plain
-    /// case ([`Layout::peek`]) on the cache's first device and the plan's block is ready for
+    /// case ([`Layout::hit`], with the position's kept view) on the cache's first device and the plan's block is ready for
     /// the step. `None`: [`CacheState::planned`] decides.
     #[inline(always)]
     fn plan_hit(&mut self, st: &Counters, req: &Request<'_>) -> Option<(Block, u32, u32)> {
@@ -2424,30 +2468,40 @@ impl CacheState {
             return None;
         }
         let arena = plan.block?;
-        // In order, the allocation is at its own position, and a plan has at most
-        // `MAX_POSITIONS`; out of order, an allocation past them is the slow path's (the step
-        // overflowed).
-        if !plan.layout.in_order && a.tick >= MAX_POSITIONS {
-            return None;
-        }
         let size = aligned(req.bytes)?;
-        let (offset, pos) = plan.layout.peek(size)?;
-        let view = plan
-            .view(st, a.gauge, arena, (pos, offset), (req.bytes, size))
-            .ok()?;
         let rec = a.tick;
-        a.tick = rec + 1;
         // In order, the allocation's entry in the record stays in its position until read
-        // ([`DeviceArena::settle_record`]).
-        if !plan.layout.in_order {
+        // ([`DeviceArena::settle_record`]); else the record is written as the step goes.
+        let in_order = plan.layout.in_order;
+        if !in_order {
             settle_record(&mut a.record, rec, &plan.layout);
+        }
+        let (views, in_use) = (&mut plan.views, &mut plan.in_use);
+        let gauge = a.gauge;
+        let (view, pos) = plan.layout.hit(
+            size,
+            rec,
+            #[inline(always)]
+            |offset, pos| {
+                kept_view(
+                    views,
+                    in_use,
+                    st,
+                    gauge,
+                    arena,
+                    (pos, offset),
+                    (req.bytes, size),
+                )
+            },
+        )?;
+        a.tick = rec + 1;
+        if !in_order {
             a.record.push(Rec {
                 bytes: size,
                 end: OPEN,
                 planned: pos,
             });
         }
-        plan.layout.take(pos, rec, size);
         add(&st.hits, 1);
         // A position of a plan is below `MAX_POSITIONS` (see `view_slot`).
         debug_assert!(pos < MAX_POSITIONS);

@@ -35,6 +35,10 @@ pub(super) const OPEN: u32 = u32::MAX;
 /// No position: [`Rec::planned`] of an allocation the plan did not match.
 pub(super) const NONE: u32 = u32::MAX;
 
+/// The most positions a step records; allocations past them are served apart, and the step is
+/// not planned (a scope that never exits must not grow its record without bound).
+pub(super) const MAX_POSITIONS: u32 = 1 << 20;
+
 /// A plan scaled for a step that outgrew it grows by the step's ratio and this fraction more.
 const SCALE_MARGIN: u128 = 64;
 
@@ -117,12 +121,20 @@ struct Spot {
     rec: u32,
     /// The [`Layout::epoch`] of the step that served it last.
     epoch: u32,
-    /// The aligned size of the array served here last by [`Layout::take`], and the tick it
+    /// The aligned size of the array served here last by [`Layout::hit`], and the tick it
     /// dropped at ([`OPEN`] while alive, or dropped elsewhere than [`Layout::dropped_now`]):
     /// its entry in the step's record until written there ([`Layout::served`]).
     got: usize,
     gone: u32,
+    /// How many positions placed in the block are planned to drop before the allocation at
+    /// this position's tick (their end at most its position): while a step is served in order,
+    /// the position may be handed out once as many arrays dropped ([`Layout::hit`]). Stored
+    /// with the position, so that the hit path reads one entry (it fits the spot's padding).
+    due: u32,
 }
+
+// A spot is read on every planned hit and drop: growing it past 48 bytes shows up here.
+const _: () = assert!(std::mem::size_of::<Spot>() == 48);
 
 impl Spot {
     /// Apart and not recurring: what a first step's optimizer state looks like, which later
@@ -177,11 +189,8 @@ pub(super) struct Layout {
     /// The entries of `by_end` before this one have been processed this step (their positions
     /// are overdue if they were still alive).
     ended: u32,
-    /// For each tick `t` (one more than there are positions): how many positions placed in the
-    /// block are planned to drop before the allocation at `t` (their end at most `t`).
-    due: Vec<u32>,
     /// The step has so far served each position at its own tick, from the first, and no array
-    /// served this step dropped before its planned end ([`Layout::peek`]).
+    /// served this step dropped before its planned end ([`Layout::hit`]).
     pub(super) in_order: bool,
     /// How many arrays served this step at their positions have dropped.
     drops: u32,
@@ -366,6 +375,7 @@ impl Layout {
                     epoch: 0,
                     got: 0,
                     gone: OPEN,
+                    due: 0,
                 }
             })
             .collect();
@@ -385,18 +395,20 @@ impl Layout {
             .map(|(k, s)| (s.end, k as u32))
             .collect();
         by_end.sort_unstable();
-        let mut due = vec![0; n as usize + 1];
+        // Per tick, the positions placed that end there, then summed up to each position.
+        let mut ending = vec![0; n as usize + 1];
         for s in spots.iter().filter(|s| !s.apart) {
-            due[s.end as usize] += 1;
+            ending[s.end as usize] += 1;
         }
-        for t in 1..due.len() {
-            due[t] += due[t - 1];
+        let mut due = 0;
+        for (s, ending) in spots.iter_mut().zip(ending) {
+            due += ending;
+            s.due = due;
         }
         Layout {
             spots,
             by_end,
             ended: 0,
-            due,
             in_order: true,
             drops: 0,
             overdue: Vec::new(),
@@ -629,53 +641,63 @@ impl Layout {
             .then_some(c + run as u32)
     }
 
-    /// The hit path of [`Layout::next`]: the offset and position of the next allocation when it
-    /// is the plain case (the next position is placed, fits, is free, and nothing is overdue),
-    /// with nothing marked yet ([`Layout::take`] does, once the view exists); `None` otherwise,
-    /// and [`Layout::next`] decides.
+    /// The hit path of [`Layout::next`], for the allocation `rec` of the step, of `size`
+    /// aligned bytes: when it is the plain case (the next position is placed, fits, is free,
+    /// and nothing is overdue), `serve` is given the position's offset and the position, and
+    /// what it returns, if anything, takes the position, which is returned with it. `None`
+    /// otherwise (nothing marked), and [`Layout::next`] decides.
     ///
     /// While the step serves every position in order ([`Layout::in_order`]), the positions
-    /// planned to drop by now are all free when as many arrays dropped as [`Layout::due`] says:
-    /// each array that dropped did so at or after its planned end, so it is one of them. Else
-    /// the planned ends are walked up to now ([`Layout::tick_to`]).
+    /// planned to drop by now are all free when as many arrays dropped as the position's `due`
+    /// says: each array that dropped did so at or after its planned end, so it is one of them.
+    /// Else the planned ends are walked up to now ([`Layout::tick_to`]), and an allocation at
+    /// or past [`MAX_POSITIONS`] is not the hit path's (the step overflowed; in order, the
+    /// allocation is at its own position, and a plan has at most that many).
+    ///
+    /// One call, so that the position is found once: `serve` makes no call that could touch
+    /// the layout, and the position is marked through the reference the checks used.
     #[inline(always)]
-    pub(super) fn peek(&mut self, size: usize) -> Option<(usize, u32)> {
+    pub(super) fn hit<T>(
+        &mut self,
+        size: usize,
+        rec: u32,
+        serve: impl FnOnce(usize, u32) -> Option<T>,
+    ) -> Option<(T, u32)> {
         let c = self.cursor;
         if !self.in_order {
+            if rec >= MAX_POSITIONS {
+                return None;
+            }
             self.tick_to(c);
-        } else if self.due.get(c as usize) != Some(&self.drops) {
-            return None;
         }
-        let s = self.spots.get(c as usize)?;
-        (!s.apart
+        let s = self.spots.get_mut(c as usize)?;
+        let plain = (!self.in_order || s.due == self.drops)
+            && !s.apart
             && size <= s.size
             && (size > SMALL || s.size <= SMALL)
             && !s.live
             && self.overdue.is_empty()
-            && self.blocked.is_empty())
-        .then_some((s.offset, c))
-    }
-
-    /// Takes position `k`, which [`Layout::peek`] gave, for the allocation `rec` of the step,
-    /// of `size` aligned bytes.
-    #[inline(always)]
-    pub(super) fn take(&mut self, k: u32, rec: u32, size: usize) {
-        // `k` is the cursor: a step served in order is at its own tick there.
+            && self.blocked.is_empty();
+        if !plain {
+            return None;
+        }
+        let got = serve(s.offset, c)?;
+        // `c` is the cursor: a step served in order is at its own tick there.
         debug_assert!(
-            !self.in_order || k == rec,
+            !self.in_order || c == rec,
             "served in order at another tick"
         );
-        self.cursor = k + 1;
-        let s = &mut self.spots[k as usize];
         s.live = true;
         s.rec = rec;
         s.epoch = self.epoch;
         s.got = size;
         s.gone = OPEN;
+        self.cursor = c + 1;
+        Some((got, c))
     }
 
     /// The entry in the step's record of the allocation that position `k` served last through
-    /// [`Layout::take`]: its aligned size and the tick it dropped at ([`OPEN`] if it has not
+    /// [`Layout::hit`]: its aligned size and the tick it dropped at ([`OPEN`] if it has not
     /// dropped through [`Layout::dropped_now`]).
     pub(super) fn served(&self, k: u32) -> (usize, u32) {
         self.spots
@@ -1371,9 +1393,20 @@ mod tests {
     /// The hit path: the next position's offset, taken for allocation `rec`, if it is the plain
     /// case.
     fn hit(l: &mut Layout, size: usize, rec: u32) -> Option<usize> {
-        let (offset, k) = l.peek(size)?;
-        l.take(k, rec, size);
-        Some(offset)
+        l.hit(size, rec, |offset, _| Some(offset))
+            .map(|(offset, _)| offset)
+    }
+
+    /// What [`Layout::hit`] would offer `size` bytes at tick `rec` (offset and position),
+    /// taking nothing.
+    fn peek(l: &mut Layout, size: usize, rec: u32) -> Option<(usize, u32)> {
+        let mut offered = None;
+        let taken = l.hit(size, rec, |offset, k| {
+            offered = Some((offset, k));
+            None::<()>
+        });
+        assert!(taken.is_none());
+        offered
     }
 
     #[test]
@@ -1385,7 +1418,7 @@ mod tests {
             assert_eq!(l.next(256, 0).0, Serve::At(l.spot(0).0), "round {round}");
             assert_eq!(hit(&mut l, 512, 1), Some(l.spot(1).0));
             // Tick 2: a is due and alive; c, over it, is not handed out.
-            assert_eq!(l.peek(256), None, "round {round}");
+            assert_eq!(peek(&mut l, 256, 2), None, "round {round}");
             l.dropped_now(0, 2);
             assert_eq!(hit(&mut l, 256, 2), Some(l.spot(0).0), "round {round}");
             l.dropped_now(1, 3);
@@ -1405,7 +1438,7 @@ mod tests {
         assert!(hit(&mut l, 512, 1).is_some());
         l.dropped_now(1, 2);
         assert!(!l.in_order);
-        assert_eq!(l.peek(256), None, "a is overdue");
+        assert_eq!(peek(&mut l, 256, 2), None, "a is overdue");
         l.dropped_now(0, 2);
         assert_eq!(hit(&mut l, 256, 2), Some(l.spot(0).0));
         l.dropped_now(2, 3);
@@ -1533,7 +1566,7 @@ mod tests {
         let a = l.spot(0).0;
         l.block(a..a + 256);
         assert_eq!(
-            l.peek(256),
+            peek(&mut l, 256, 0),
             None,
             "not the plain case while bytes are blocked"
         );
@@ -1754,7 +1787,7 @@ mod tests {
         assert!(matches!(l.next(65536, 0).0, Serve::At(_)));
         // A scalar where the second layer is expected (an empty workspace): served apart.
         assert_eq!(l.next(256, 1), (Serve::Extra, NONE));
-        assert!(l.peek(256).is_none(), "not on the hit path either");
+        assert!(peek(&mut l, 256, 2).is_none(), "not on the hit path either");
         assert_eq!(l.next(65536, 2).1, 1, "the second layer takes its position");
         assert_eq!(l.next(65536, 3).1, 2);
         assert!(l.end_step(), "followed: no plan is made again for it");

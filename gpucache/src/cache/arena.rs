@@ -546,21 +546,6 @@ impl Plan {
         }
     }
 
-    /// A loose view at `offset`, if one is idle there.
-    #[inline(never)]
-    fn unpark(&mut self, offset: usize) -> Option<Block> {
-        if self.loose_len == 0 {
-            return None;
-        }
-        let at = self.loose.get_mut(&offset)?;
-        let view = at.pop();
-        if at.is_empty() {
-            self.loose.remove(&offset);
-        }
-        self.loose_len -= usize::from(view.is_some());
-        view
-    }
-
     /// The size of the plan's block (0 before it is made).
     fn block_bytes(&self) -> usize {
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
@@ -585,8 +570,7 @@ impl Plan {
 
     /// A view for an array of `bytes` bytes (`size` aligned) at position `pos` (at `offset`) of
     /// the plan's block `arena`, counted (in gauge `g` of `st`) as in use: the view kept for the
-    /// position, else a loose one at its offset, else a new one.
-    #[inline(always)]
+    /// position, else a loose one at its offset, else a new one ([`idle_or_new_view`]).
     fn view(
         &mut self,
         st: &Counters,
@@ -595,53 +579,9 @@ impl Plan {
         (pos, offset): (u32, usize),
         (bytes, size): (usize, usize),
     ) -> Result<Block> {
-        let kept = match self.views.get_mut(pos as usize).and_then(Option::take) {
-            Some(view) => Some(view),
-            None => self.unpark(offset),
-        };
-        self.counted_view(st, g, arena, offset, (bytes, size), kept)
-    }
-
-    /// A view for an array of `bytes` bytes at `offset` of the plan's block `arena` (`kept`, an
-    /// idle view made at that offset, or a new one), counted (in gauge `g` of `st`) as in use.
-    /// A view spans from its offset to the end of the block, so that it serves any array there
-    /// later: a cudarc view is a `CudaSlice` with two events of its own, made once per offset,
-    /// not once per array. The end is the block's when the view was made: a block grown since
-    /// (under the arrays a step kept) may place a larger array at the offset, and a kept view
-    /// too short for it is dropped and made again (EfficientNet trained on a varying batch,
-    /// replayed in the H100's granules: four arrays of up to 64 MiB were handed views of 1.2 MiB,
-    /// whose cudarc slices would have refused them).
-    #[inline(always)]
-    fn counted_view(
-        &mut self,
-        st: &Counters,
-        g: GaugeIx,
-        arena: BlockPtr,
-        offset: usize,
-        (bytes, size): (usize, usize),
-        kept: Option<Block>,
-    ) -> Result<Block> {
-        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
-        let counts = unsafe { arena.as_ref() };
-        let view = match kept {
-            // A view made before the block grew ends where the block ended then: one at the
-            // bottom of the block's old last range may be asked to reach past it.
-            Some(view) if view.spans(bytes) => view,
-            short => {
-                drop_views(short);
-                let span = counts.block.bytes() - offset;
-                let owner: *const dyn Backend = arena.as_ptr().cast_const();
-                // SAFETY: `offset < block bytes` (the layout placed the position and it fits in
-                // the footprint, or the block's gaps held the range), `owner` is the
-                // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and
-                // the block stays alive, unmoved and untouched through `&mut` while views of it
-                // live: it is prepared only with no array's view alive (kept views touch only
-                // their own state until dropped, by the lock holder, before the block goes), and
-                // freed only once no view is (`views() == 0` and kept views dropped before
-                // retirement, `shared` reaching 0 after).
-                unsafe { counts.block.view(owner, offset, span) }?
-            }
-        };
+        let kept = self.views.get_mut(pos as usize).and_then(Option::take);
+        let loose = (&mut self.loose, &mut self.loose_len);
+        let view = idle_or_new_view(kept, loose, arena, offset, bytes)?;
         Ok(counted(
             &mut self.in_use,
             st,
@@ -762,12 +702,22 @@ impl Plan {
         (rec, offset): (u32, usize),
         (bytes, size): (usize, usize),
     ) -> Result<Block> {
-        let kept = self.unpark(offset);
-        let view = self.counted_view(st, g, arena, offset, (bytes, size), kept);
-        if view.is_err() {
-            self.give_back(rec, size);
+        let loose = (&mut self.loose, &mut self.loose_len);
+        match idle_or_new_view(None, loose, arena, offset, bytes) {
+            Ok(view) => Ok(counted(
+                &mut self.in_use,
+                st,
+                g,
+                arena,
+                offset,
+                (bytes, size),
+                view,
+            )),
+            Err(e) => {
+                self.give_back(rec, size);
+                Err(e)
+            }
         }
-        view
     }
 
     /// The array of allocation `rec` (`size` aligned bytes), handed out by the gaps or the
@@ -991,14 +941,71 @@ fn settle_record(record: &mut Vec<Rec>, tick: u32, layout: &Layout) {
     }
 }
 
+/// The loose views of a plan's block (by offset), and how many there are.
+type LooseViews<'a> = (&'a mut HashMap<usize, LooseAt>, &'a mut usize);
+
+/// A loose view at `offset`, if one is idle there.
+fn unpark((loose, len): LooseViews<'_>, offset: usize) -> Option<Block> {
+    if *len == 0 {
+        return None;
+    }
+    let at = loose.get_mut(&offset)?;
+    let view = at.pop();
+    if at.is_empty() {
+        loose.remove(&offset);
+    }
+    *len -= usize::from(view.is_some());
+    view
+}
+
+/// A view at `offset` of the plan's block `arena` that reaches `bytes` bytes from there: `kept`
+/// (an idle view made at that offset), else a loose one there, else a new one. A view spans
+/// from its offset to the end of the block, so that it serves any array there later: a cudarc
+/// view is a `CudaSlice` with two events of its own, made once per offset, not once per array.
+/// The end is the block's when the view was made: a block grown since (under the arrays a step
+/// kept) may place a larger array at the offset, and an idle view too short for it is dropped
+/// and made again (EfficientNet trained on a varying batch, replayed in the H100's granules:
+/// four arrays of up to 64 MiB were handed views of 1.2 MiB, whose cudarc slices would have
+/// refused them).
+#[inline(never)]
+fn idle_or_new_view(
+    kept: Option<Block>,
+    loose: LooseViews<'_>,
+    arena: BlockPtr,
+    offset: usize,
+    bytes: usize,
+) -> Result<Block> {
+    match kept.or_else(|| unpark(loose, offset)) {
+        Some(view) if view.spans(bytes) => Ok(view),
+        short => {
+            drop_views(short);
+            // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+            let counts = unsafe { arena.as_ref() };
+            let span = counts.block.bytes() - offset;
+            let owner: *const dyn Backend = arena.as_ptr().cast_const();
+            // SAFETY: `offset < block bytes` (the layout placed the position and it fits in the
+            // footprint, or the block's gaps held the range), `owner` is the `Arc::into_raw`
+            // pointer of the block's `Arc`, whose backend is not counted, and the block stays
+            // alive, unmoved and untouched through `&mut` while views of it live: it is prepared
+            // only with no array's view alive (kept views touch only their own state until
+            // dropped, by the lock holder, before the block goes), and freed only once no view
+            // is (`views() == 0` and kept views dropped before retirement, `shared` reaching 0
+            // after).
+            unsafe { counts.block.view(owner, offset, span) }
+        }
+    }
+}
+
 /// The hit path's view for an array of `bytes` bytes (`size` aligned) at position `pos` (at
-/// `offset`) of a plan's block `arena`, whose kept views are `views` and whose bytes in use
-/// `in_use` counts: the view kept for the position, when there is one that reaches them, counted
-/// (in gauge `g` of `st`) as in use. `None` leaves the allocation to the slow path
-/// ([`Plan::view`]), which finds or makes one: nothing here fails or calls out.
+/// `offset`) of a plan's block `arena`, whose kept views are `views`, loose ones `loose`, and
+/// whose bytes in use `in_use` counts, counted (in gauge `g` of `st`) as in use: the view kept
+/// for the position when it reaches them; else, out of line, as [`Plan::view`] finds or makes
+/// one. `None` if that fails: the slow path then meets the error.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn kept_view(
     views: &mut [Option<Block>],
+    loose: LooseViews<'_>,
     in_use: &mut usize,
     st: &Counters,
     g: GaugeIx,
@@ -1007,11 +1014,25 @@ fn kept_view(
     (bytes, size): (usize, usize),
 ) -> Option<Block> {
     let kept = views.get_mut(pos as usize)?;
-    if !kept.as_ref()?.spans(bytes) {
-        return None;
-    }
-    let view = kept.take()?;
+    let view = match kept.take_if(|v| v.spans(bytes)) {
+        Some(view) => view,
+        None => not_kept_view(kept.take(), loose, arena, offset, bytes)?,
+    };
     Some(counted(in_use, st, g, arena, offset, (bytes, size), view))
+}
+
+/// [`kept_view`] for a position with no view kept that reaches the array's end (`short`, if
+/// it has one): [`idle_or_new_view`]. Cold: a position's first array of a layout.
+#[cold]
+#[inline(never)]
+fn not_kept_view(
+    short: Option<Block>,
+    loose: LooseViews<'_>,
+    arena: BlockPtr,
+    offset: usize,
+    bytes: usize,
+) -> Option<Block> {
+    idle_or_new_view(short, loose, arena, offset, bytes).ok()
 }
 
 /// `view`, at `offset` of a plan's block `arena` (whose bytes in use `in_use` counts) and
@@ -2477,6 +2498,7 @@ impl CacheState {
             settle_record(&mut a.record, rec, &plan.layout);
         }
         let (views, in_use) = (&mut plan.views, &mut plan.in_use);
+        let loose = (&mut plan.loose, &mut plan.loose_len);
         let gauge = a.gauge;
         let (view, pos) = plan.layout.hit(
             size,
@@ -2485,6 +2507,7 @@ impl CacheState {
             |offset, pos| {
                 kept_view(
                     views,
+                    loose,
                     in_use,
                     st,
                     gauge,

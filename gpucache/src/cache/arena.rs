@@ -1002,13 +1002,11 @@ fn idle_or_new_view(
 /// for the position when it reaches them; else, out of line, as [`Plan::view`] finds or makes
 /// one. `None` if that fails: the slow path then meets the error.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn kept_view(
     views: &mut [Option<Block>],
     loose: LooseViews<'_>,
     in_use: &mut usize,
-    st: &Counters,
-    g: GaugeIx,
+    (st, g): (&Counters, GaugeIx),
     arena: BlockPtr,
     (pos, offset): (u32, usize),
     (bytes, size): (usize, usize),
@@ -2473,8 +2471,8 @@ impl CacheState {
     }
 
     /// The hit path of a planned cache: the next position of the plan, when it is the plain
-    /// case ([`Layout::hit`], with the position's kept view) on the cache's first device and the plan's block is ready for
-    /// the step. `None`: [`CacheState::planned`] decides.
+    /// case ([`Layout::hit`]) on the cache's first device and the plan's block is ready for the
+    /// step. `None`: [`CacheState::planned`] decides.
     #[inline(always)]
     fn plan_hit(&mut self, st: &Counters, req: &Request<'_>) -> Option<(Block, u32, u32)> {
         let a = self.arenas.devices.first_mut()?;
@@ -2509,8 +2507,7 @@ impl CacheState {
                     views,
                     loose,
                     in_use,
-                    st,
-                    gauge,
+                    (st, gauge),
                     arena,
                     (pos, offset),
                     (req.bytes, size),

@@ -654,8 +654,8 @@ impl Layout {
     /// or past [`MAX_POSITIONS`] is not the hit path's (the step overflowed; in order, the
     /// allocation is at its own position, and a plan has at most that many).
     ///
-    /// One call, so that the position is found once: `serve` makes no call that could touch
-    /// the layout, and the position is marked through the reference the checks used.
+    /// One call, so that the position is found once: `serve` cannot reach the layout (it is
+    /// borrowed here), so the position is marked through the reference the checks used.
     #[inline(always)]
     pub(super) fn hit<T>(
         &mut self,
@@ -1407,6 +1407,22 @@ mod tests {
         });
         assert!(taken.is_none());
         offered
+    }
+
+    #[test]
+    fn a_hit_whose_serve_gives_nothing_marks_nothing() {
+        let record = [rec(256, 2), rec(512, 3), rec(256, 4)];
+        let mut l = Layout::new(&record, None);
+        // The view could not be had: the position stays free and the cursor where it was.
+        assert_eq!(l.hit(256, 0, |_, _| None::<()>), None);
+        assert!(!l.is_live(0));
+        assert_eq!(l.served(0), (0, OPEN), "nothing recorded at the position");
+        assert!(l.in_order);
+        // The same allocation then takes it, and the next one the next position.
+        assert_eq!(hit(&mut l, 256, 0), Some(l.spot(0).0));
+        assert!(l.is_live(0));
+        assert_eq!(l.served(0), (256, OPEN));
+        assert_eq!(hit(&mut l, 512, 1), Some(l.spot(1).0));
     }
 
     #[test]

@@ -580,6 +580,20 @@ impl Plan {
         (bytes, size): (usize, usize),
     ) -> Result<Block> {
         let kept = self.views.get_mut(pos as usize).and_then(Option::take);
+        self.counted_view(kept, (st, g), arena, offset, (bytes, size))
+    }
+
+    /// [`idle_or_new_view`] (`kept`, else a loose view at `offset`, else a new one) for an array
+    /// of `bytes` bytes (`size` aligned) at `offset` of the plan's block `arena`, counted (in
+    /// gauge `g` of `st`) as in use.
+    fn counted_view(
+        &mut self,
+        kept: Option<Block>,
+        (st, g): (&Counters, GaugeIx),
+        arena: BlockPtr,
+        offset: usize,
+        (bytes, size): (usize, usize),
+    ) -> Result<Block> {
         let loose = (&mut self.loose, &mut self.loose_len);
         let view = idle_or_new_view(kept, loose, arena, offset, bytes)?;
         Ok(counted(
@@ -702,22 +716,11 @@ impl Plan {
         (rec, offset): (u32, usize),
         (bytes, size): (usize, usize),
     ) -> Result<Block> {
-        let loose = (&mut self.loose, &mut self.loose_len);
-        match idle_or_new_view(None, loose, arena, offset, bytes) {
-            Ok(view) => Ok(counted(
-                &mut self.in_use,
-                st,
-                g,
-                arena,
-                offset,
-                (bytes, size),
-                view,
-            )),
-            Err(e) => {
-                self.give_back(rec, size);
-                Err(e)
-            }
+        let view = self.counted_view(None, (st, g), arena, offset, (bytes, size));
+        if view.is_err() {
+            self.give_back(rec, size);
         }
+        view
     }
 
     /// The array of allocation `rec` (`size` aligned bytes), handed out by the gaps or the
@@ -966,7 +969,9 @@ fn unpark((loose, len): LooseViews<'_>, offset: usize) -> Option<Block> {
 /// kept) may place a larger array at the offset, and an idle view too short for it is dropped
 /// and made again (EfficientNet trained on a varying batch, replayed in the H100's granules:
 /// four arrays of up to 64 MiB were handed views of 1.2 MiB, whose cudarc slices would have
-/// refused them).
+/// refused them). Cold: the hit path calls it only at a position's first array of a layout (or
+/// one its view is too short for), so that its call stays out of the hit's way.
+#[cold]
 #[inline(never)]
 fn idle_or_new_view(
     kept: Option<Block>,
@@ -1014,23 +1019,9 @@ fn kept_view(
     let kept = views.get_mut(pos as usize)?;
     let view = match kept.take_if(|v| v.spans(bytes)) {
         Some(view) => view,
-        None => not_kept_view(kept.take(), loose, arena, offset, bytes)?,
+        None => idle_or_new_view(kept.take(), loose, arena, offset, bytes).ok()?,
     };
     Some(counted(in_use, st, g, arena, offset, (bytes, size), view))
-}
-
-/// [`kept_view`] for a position with no view kept that reaches the array's end (`short`, if
-/// it has one): [`idle_or_new_view`]. Cold: a position's first array of a layout.
-#[cold]
-#[inline(never)]
-fn not_kept_view(
-    short: Option<Block>,
-    loose: LooseViews<'_>,
-    arena: BlockPtr,
-    offset: usize,
-    bytes: usize,
-) -> Option<Block> {
-    idle_or_new_view(short, loose, arena, offset, bytes).ok()
 }
 
 /// `view`, at `offset` of a plan's block `arena` (whose bytes in use `in_use` counts) and

@@ -22,7 +22,11 @@
 //! label contains one of the comma-separated names, and the baseline (`--only "planned
 //! (default)"`: gpucache's default against the pool).
 //!
-//! For each log it prints, per variant:
+//! For each log it prints first what two allocators simulated from the log alone would hold
+//! (`replay::plan::simulate`: every step planned from its own lifetimes, one block with each
+//! position's largest size; `replay::arena::simulate`: one block for every step, sub-allocated
+//! online best fit and grown at its top in 2 MiB granules, as PyTorch's expandable segments
+//! are), then, per variant:
 //!
 //! * peak device bytes over the log's **peak live** bytes (the most bytes of its buffers alive
 //!   at once, the lower bound); gpucache: what the backend holds for it (over the pool at
@@ -49,7 +53,7 @@
 
 use gpucache_suite::replay;
 
-use replay::plan;
+use replay::{arena, plan};
 
 use std::path::PathBuf;
 
@@ -180,8 +184,20 @@ struct Row {
     ratio_range: (f64, f64),
 }
 
-/// What one log's report found: its peak live bytes, what plans would hold, the variants' rows.
-type Report = (usize, plan::Simulated, Vec<Row>);
+/// What one log's report found.
+struct Report {
+    /// The log's peak live bytes.
+    live: usize,
+    /// What plans would hold ([`plan::simulate`]).
+    planned: plan::Simulated,
+    /// What one block sub-allocated online would hold ([`arena::simulate`]).
+    arena: usize,
+    /// The variants' rows.
+    rows: Vec<Row>,
+}
+
+/// The granule [`arena::simulate`] grows its block by: a GPU's (the driver maps 2 MiB).
+const GRANULE: usize = 2 << 20;
 
 fn report(
     log: &str,
@@ -218,6 +234,12 @@ fn report(
         planned.peak as f64 / live.max(1) as f64,
         planned.largest_step_plan as f64 / live.max(1) as f64,
         planned.replans
+    );
+    let arena = arena::simulate(&ops, GRANULE);
+    println!(
+        "one block for every step, sub-allocated online, simulated from the log (best fit, grown \
+         at its top in 2 MiB granules, as PyTorch's expandable segments): peak {:.3}x peak live",
+        arena as f64 / live.max(1) as f64
     );
     if !dev.is_cuda() {
         println!(
@@ -322,12 +344,17 @@ fn report(
         rows.push(row);
     }
     println!();
-    Ok((live, planned, rows))
+    Ok(Report {
+        live,
+        planned,
+        arena,
+        rows,
+    })
 }
 
 /// The three tables of several logs: rows the logs, columns the variants.
 fn print_summary(logs: &[(String, Report)]) {
-    let Some((_, (_, _, first))) = logs.first() else {
+    let Some((_, Report { rows: first, .. })) = logs.first() else {
         return;
     };
     let head = |what: &str| {
@@ -342,26 +369,40 @@ fn print_summary(logs: &[(String, Report)]) {
             .to_owned()
     };
     println!(
-        "\nPeak device bytes / peak live bytes (last column: planned steps, simulated from the log)\n"
+        "\nPeak device bytes / peak live bytes (last columns: planned steps, and one block \
+         sub-allocated online, simulated from the log)\n"
     );
     let labels: Vec<&str> = first.iter().map(|r| r.label.as_str()).collect();
-    println!("| log | {} | planned (simulated) |", labels.join(" | "));
-    println!("|---|{}---|", "---|".repeat(labels.len()));
-    for (log, (live, planned, rows)) in logs {
+    println!(
+        "| log | {} | planned (simulated) | online block (simulated) |",
+        labels.join(" | ")
+    );
+    println!("|---|{}---|---|", "---|".repeat(labels.len()));
+    for (
+        log,
+        Report {
+            live,
+            planned,
+            arena,
+            rows,
+        },
+    ) in logs
+    {
         let cells: Vec<String> = rows
             .iter()
             .map(|r| format!("{:.3}", r.peak as f64 / (*live).max(1) as f64))
             .collect();
         println!(
-            "| {} ({:.1} MiB) | {} | {:.3} |",
+            "| {} ({:.1} MiB) | {} | {:.3} | {:.3} |",
             name(log),
             mib(*live),
             cells.join(" | "),
-            planned.peak as f64 / (*live).max(1) as f64
+            planned.peak as f64 / (*live).max(1) as f64,
+            *arena as f64 / (*live).max(1) as f64
         );
     }
     head("Device allocations in the steps after the second");
-    for (log, (_, _, rows)) in logs {
+    for (log, Report { rows, .. }) in logs {
         let cells: Vec<String> = rows
             .iter()
             .map(|r| r.allocs_after_step2.to_string())
@@ -372,7 +413,7 @@ fn print_summary(logs: &[(String, Report)]) {
     head(
         "Host time per step (steps after the second), median over the rounds / the baseline's [range]",
     );
-    for (log, (_, _, rows)) in logs {
+    for (log, Report { rows, .. }) in logs {
         let cells: Vec<String> = rows
             .iter()
             .map(|r| {

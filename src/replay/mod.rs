@@ -28,6 +28,7 @@
 //! error when the log is read; a `free` of a buffer the log never allocated (one allocated before
 //! the recording, or outside its scopes) is skipped. Zero-byte allocations are fine.
 
+pub mod arena;
 pub mod plan;
 
 use std::collections::HashMap;

@@ -1068,6 +1068,14 @@ mod tests {
         (plans, k, runner_up > best + best / BY_FAR)
     }
 
+    /// `h` after a plan that every try was made for, which its winner gave again.
+    fn one_more_win(h: Hint) -> Hint {
+        Hint {
+            won: h.won + 1,
+            ..h
+        }
+    }
+
     #[test]
     fn a_try_that_keeps_winning_is_made_alone_while_its_plan_fits_the_room() {
         let mut rng = fastrand::Rng::with_seed(13);
@@ -1116,14 +1124,7 @@ mod tests {
             let hint = Cell::new(Hint { alone: 0, ..h });
             let plan = plan_around(&lives, &overlaps, &[], (within, best.footprint - 1), &hint);
             assert_eq!(plan.footprint, best.footprint, "case {case}");
-            assert_eq!(
-                hint.get(),
-                Hint {
-                    won: h.won + 1,
-                    ..h
-                },
-                "case {case}"
-            );
+            assert_eq!(hint.get(), one_more_win(h), "case {case}");
             all_again += usize::from(worst > best.footprint && winner != Try::BestFit);
         }
         // Cases where making every try again matters (another try gave a larger plan).
@@ -1163,14 +1164,7 @@ mod tests {
                 far_cases += 1;
             } else {
                 // Wins by less: every try again, one more win.
-                assert_eq!(
-                    hint.get(),
-                    Hint {
-                        won: h.won + 1,
-                        ..h
-                    },
-                    "case {case}"
-                );
+                assert_eq!(hint.get(), one_more_win(h), "case {case}");
                 near_cases += 1;
             }
             // A plan within, given by the winner, keeps its wins; by another try, none are left.

@@ -378,7 +378,9 @@ fn plan_around(
     // their peak live bytes (largest first 1.28x-1.29x), where by weight they hold 1.03x.
     let place_by = |t: Try| placed(t, lives, &by_size, overlaps, taken);
     let mut h = hint.get();
-    // The try that won the last plans, alone: kept if its plan comes within, or fits the room.
+    // The try that won the last plans, alone: kept if its plan is above the bound and fits the
+    // room, or whatever the room after wins by far (a plan within goes on as every plan does,
+    // and stops at once).
     let mut made = None;
     let by_far = h.by_far >= BY_FAR_IN_A_ROW;
     if (h.won >= WON_IN_A_ROW || by_far) && h.alone < ALONE_AT_MOST {

@@ -196,9 +196,6 @@ struct Report {
     rows: Vec<Row>,
 }
 
-/// The granule [`arena::simulate`] grows its block by: a GPU's (the driver maps 2 MiB).
-const GRANULE: usize = 2 << 20;
-
 fn report(
     log: &str,
     dev: Device,
@@ -235,7 +232,7 @@ fn report(
         planned.largest_step_plan as f64 / live.max(1) as f64,
         planned.replans
     );
-    let arena = arena::simulate(&ops, GRANULE);
+    let arena = arena::simulate(&ops, arena::GPU_GRANULE);
     println!(
         "one block for every step, sub-allocated online, simulated from the log (best fit, grown \
          at its top in 2 MiB granules, as PyTorch's expandable segments): peak {:.3}x peak live",

@@ -21,6 +21,10 @@ use range_alloc::RangeAllocator;
 
 use super::Op;
 
+/// A GPU's granule of mapped memory (the H100's and H200's driver maps device memory in
+/// 2 MiB): growable blocks on the GPU are whole multiples of it.
+pub const GPU_GRANULE: usize = 2 << 20;
+
 /// The block's peak bytes on `ops`: every allocation of the log (at its size aligned as
 /// gpucache aligns it) served from one block that grows in `granule`s (see the module docs).
 ///

@@ -15,7 +15,7 @@
 use gpucache::{CacheConfig, Device, KeyPolicy};
 
 use gpucache_suite::common::serial;
-use gpucache_suite::replay::{self, CONFIGS, Mode, Op};
+use gpucache_suite::replay::{self, CONFIGS, Mode, Op, arena};
 
 /// Each log, and the most its planned replay may hold over its peak live bytes.
 const LOGS: &[(&str, f64)] = &[
@@ -177,9 +177,6 @@ fn varying_logs_replayed_longer_in_other_orders_stay_within_their_bound() {
     }
 }
 
-/// The H100's granularity of mapped memory: growable blocks on the GPU are whole multiples.
-const H100_GRANULARITY: usize = 2 << 20;
-
 /// The planned replay of `ops` on this thread through a fresh counting backend (growable as
 /// asked, mapped in granules of `granularity` bytes if not 0): the most bytes it held over the
 /// log's peak live bytes, the device allocations after the second step, and the growths.
@@ -211,7 +208,7 @@ fn plan_blocks_grown_in_place_keep_the_fixtures_peaks_and_allocate_no_more() {
         let ops = replay::read(path.as_ref()).unwrap();
         let (peak, allocs, _) = planned_on(&ops, false, 0);
         let (grown_peak, grown_allocs, grown) = planned_on(&ops, true, 0);
-        let (mapped_peak, ..) = planned_on(&ops, true, H100_GRANULARITY);
+        let (mapped_peak, ..) = planned_on(&ops, true, arena::GPU_GRANULE);
         assert!(
             mapped_peak <= bound,
             "{log}: {mapped_peak:.3}x in the H100's granules"
@@ -263,7 +260,7 @@ fn the_cpu_backend_holds_what_the_gpu_holds() {
         let ops = replay::read(path.as_ref()).unwrap();
         let m = replay::memory(&ops, Device::Cpu, Mode::Gpucache).unwrap();
         let real = m.peak_device as f64 / m.peak_live as f64;
-        let (mapped, ..) = planned_on(&ops, true, H100_GRANULARITY);
+        let (mapped, ..) = planned_on(&ops, true, arena::GPU_GRANULE);
         let (fixed, ..) = planned_on(&ops, false, 0);
         assert_ne!(mapped, fixed, "{log}: the two backends differ");
         let expected = if grows { mapped } else { fixed };

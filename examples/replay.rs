@@ -32,7 +32,9 @@
 //!   at once, the lower bound); gpucache: what the backend holds for it (over the pool at
 //!   threshold max: the device's memory in use); pool: the pool's reserved high-water mark;
 //!   bare: the live buffers' bytes;
-//! * device allocations in the steps after the second (bare and pool: every allocation);
+//! * device allocations in the steps after the second, and in parentheses those in the second
+//!   half of the steps, where a long run's every kind of step has come before (bare and pool:
+//!   every allocation);
 //! * host time per step: the mean of the steps after the second (all steps when there are
 //!   fewer than three), per round; the median over the rounds and their [min, max], and the
 //!   median over the baseline's median (the pool at threshold max; on the CPU, bare) with the
@@ -177,6 +179,7 @@ struct Row {
     label: String,
     peak: usize,
     allocs_after_step2: u64,
+    allocs_in_second_half: u64,
     later_steps: usize,
     median: f64,
     range: (f64, f64),
@@ -288,7 +291,7 @@ fn report(
     let mut rows = Vec::new();
     println!(
         "| variant | peak / peak live | peak MiB | device allocations in steps 3.. ({later_steps} steps) \
-         | host time per step, median [min, max] | / {} |",
+         (in the second half) | host time per step, median [min, max] | / {} |",
         variants[n - 1].label
     );
     println!("|---|---|---|---|---|---|");
@@ -299,6 +302,7 @@ fn report(
                 label: v.label.clone(),
                 peak: 0,
                 allocs_after_step2: 0,
+                allocs_in_second_half: 0,
                 later_steps,
                 median: f64::NAN,
                 range: (f64::NAN, f64::NAN),
@@ -318,7 +322,8 @@ fn report(
         let row = Row {
             label: v.label.clone(),
             peak,
-            allocs_after_step2: first.step_allocs.iter().skip(2).sum(),
+            allocs_after_step2: first.allocs_after_step2(),
+            allocs_in_second_half: first.allocs_in_second_half(),
             later_steps,
             median: median(&times),
             range: min_max(&times),
@@ -326,11 +331,12 @@ fn report(
             ratio_range: min_max(&ratios),
         };
         println!(
-            "| {} | {:.3} | {:.1} | {} | {} µs [{}, {}] | {:.2}x [{:.2}, {:.2}] |",
+            "| {} | {:.3} | {:.1} | {} ({}) | {} µs [{}, {}] | {:.2}x [{:.2}, {:.2}] |",
             row.label,
             row.peak as f64 / live.max(1) as f64,
             mib(row.peak),
             row.allocs_after_step2,
+            row.allocs_in_second_half,
             us(row.median),
             us(row.range.0),
             us(row.range.1),
@@ -398,11 +404,11 @@ fn print_summary(logs: &[(String, Report)]) {
             *arena as f64 / (*live).max(1) as f64
         );
     }
-    head("Device allocations in the steps after the second");
+    head("Device allocations in the steps after the second (in the second half of the steps)");
     for (log, Report { rows, .. }) in logs {
         let cells: Vec<String> = rows
             .iter()
-            .map(|r| r.allocs_after_step2.to_string())
+            .map(|r| format!("{} ({})", r.allocs_after_step2, r.allocs_in_second_half))
             .collect();
         let steps = rows.first().map_or(0, |r| r.later_steps);
         println!("| {} ({steps} steps) | {} |", name(log), cells.join(" | "));

@@ -379,6 +379,21 @@ pub struct Replay {
     pub step_seconds: Vec<f64>,
 }
 
+impl Replay {
+    /// Device allocations made in the steps after the second (a planned cache's first step
+    /// records, its second makes the plan's block).
+    pub fn allocs_after_step2(&self) -> u64 {
+        self.step_allocs.iter().skip(2).sum()
+    }
+
+    /// Device allocations made in the second half of the steps (steps `n / 2..` of `n`): what a
+    /// long run's steady state allocates, where every kind of step has come before.
+    pub fn allocs_in_second_half(&self) -> u64 {
+        let n = self.step_allocs.len();
+        self.step_allocs[n / 2..].iter().sum()
+    }
+}
+
 /// The most bytes of the log's buffers alive at once: the lower bound of any allocator's peak.
 pub fn peak_live(ops: &[Op]) -> usize {
     let (mut live, mut peak) = (0usize, 0usize);
@@ -496,8 +511,11 @@ pub struct Memory {
     pub peak_device: usize,
     /// [`peak_live`]: the lower bound.
     pub peak_live: usize,
-    /// Device allocations made in the steps after the second.
+    /// Device allocations made in the steps after the second ([`Replay::allocs_after_step2`]).
     pub allocs_after_step2: u64,
+    /// Device allocations made in the second half of the steps
+    /// ([`Replay::allocs_in_second_half`]).
+    pub allocs_in_second_half: u64,
 }
 
 /// Whether a replay through gpucache follows its peak (reading the backend's bytes after every
@@ -604,7 +622,8 @@ pub fn memory(ops: &[Op], dev: Device, mode: Mode) -> Result<Memory> {
     Ok(Memory {
         peak_device: r.peak_bytes,
         peak_live: peak_live(ops),
-        allocs_after_step2: r.step_allocs.iter().skip(2).sum(),
+        allocs_after_step2: r.allocs_after_step2(),
+        allocs_in_second_half: r.allocs_in_second_half(),
     })
 }
 

@@ -1254,6 +1254,14 @@ impl Layout {
             .any(|s| s.live && !s.apart && s.end > soon)
     }
 
+    /// Whether the plan keeps at most one position apart larger than [`SMALL`]: an array that
+    /// outlives its step alone (a step's input batch, made before the one of the step before
+    /// is dropped), with no other array apart to compete for its spare blocks.
+    pub(super) fn one_large_apart(&self) -> bool {
+        let mut large = self.spots.iter().filter(|s| s.apart && s.size > SMALL);
+        large.nth(1).is_none()
+    }
+
     /// The recorded size of position `k` when it is apart (0 for a position in the block).
     pub(super) fn recorded_apart(&self, k: u32) -> usize {
         self.spots

@@ -9,7 +9,7 @@
 //! fixed-shape training logs, and after it fewer than one in twenty of the allocations on the
 //! others (a step larger than every one before it, served from its plan scaled; the keys and
 //! values crossing size classes, and those of new requests); the varying-shape logs' steps
-//! replayed longer in other orders stay within the same bound and, but two, make no device
+//! replayed longer in other orders stay within the same bound and, but one, make no device
 //! allocation in the second half of their steps; and a zero-byte allocation replays in every
 //! mode.
 
@@ -137,10 +137,10 @@ fn the_torch_fixtures_replay_at_or_above_their_peak_live_bytes() {
 }
 
 /// The logs whose long runs still allocate in their second half: ConvNeXt-T's input batch (1 to
-/// 48), alive into the next step and so served apart, takes any larger spare block at the
-/// cache's high-water mark, but a run of sizes such as 13, 4 and 23 images needs a third block
-/// when the two largest are taken (once, in one of the two orders; BENCHMARKS.md, "The second
-/// half of a long run").
+/// 48 images), alive into the next step and so served apart, takes any larger spare block at
+/// the cache's high-water mark, but inputs of 13, 4 and 23 MiB in a row need a third block (the
+/// 4 MiB one took the larger of two, the other is too small: once, in one of the two orders;
+/// BENCHMARKS.md, "The second half of a long run").
 const STEADY_STATE_NOT_YET: &[&str] = &["convnext_infer"];
 
 /// The varying-shape logs replayed longer, their steps after the first in shuffled

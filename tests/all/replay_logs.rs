@@ -208,7 +208,7 @@ fn planned_on(ops: &[Op], growable: bool, granularity: usize) -> (f64, u64, u64)
     drop(installed);
     assert_eq!(backend.outstanding_bytes(), 0, "every byte went back");
     let ratio = backend.peak_bytes() as f64 / replay::peak_live(ops) as f64;
-    (ratio, r.step_allocs.iter().skip(2).sum(), backend.grows())
+    (ratio, r.allocs_after_step2(), backend.grows())
 }
 
 /// Blocks grown in place hold each fixture within its bound, within a hundredth of its peak with

@@ -1577,3 +1577,55 @@ fn an_input_batch_of_varying_size_kept_into_the_next_step_settles_on_its_spares(
     gpucache::empty_cache();
     assert_eq!(backend.outstanding_bytes(), 0);
 }
+
+/// A step that left its plan serves the arrays no gap of the plan's block holds apart; those
+/// that die within the step, one after another (a detector's larger feature maps), share one
+/// device allocation: the first one's block is a spare for the next, until the step ends, when
+/// it goes back. Every array keeps its values while alive.
+#[test]
+fn arrays_apart_one_after_another_in_a_step_that_left_its_plan_share_a_block() {
+    let _serial = serial();
+    let name = "planned-apart-in-turn";
+    let (backend, _installed) = planned(name, None);
+    let small_step = || {
+        let _scope = gpucache::enter(name);
+        let keep = filled(DEV, 1u8, 4096);
+        for k in 0..3u8 {
+            let t = filled(DEV, 10 + k, 65536);
+            assert!(common::all_eq(&t, 10 + k));
+        }
+        assert!(common::all_eq(&keep, 1));
+    };
+    small_step();
+    small_step();
+    let before = (backend.allocs(), backend.outstanding_bytes());
+    small_step();
+    assert_eq!(backend.allocs(), before.0, "the plan serves the small step");
+    {
+        // The same start, then arrays far larger than their positions: the step leaves its
+        // plan, and no gap of the block holds them.
+        let _scope = gpucache::enter(name);
+        let keep = filled(DEV, 1u8, 4096);
+        let start = backend.allocs();
+        for k in 0..4u8 {
+            let t = filled(DEV, 20 + k, 16 << 20);
+            assert!(common::all_eq(&t, 20 + k));
+        }
+        assert!(common::all_eq(&keep, 1));
+        assert_eq!(
+            backend.allocs() - start,
+            1,
+            "four arrays of 16 MiB, each dead before the next, in one block"
+        );
+        assert!(backend.outstanding_bytes() >= before.1 + (16 << 20));
+    }
+    // At the step's end the block kept for the step goes back.
+    assert!(
+        backend.outstanding_bytes() < 16 << 20,
+        "{} bytes held after the step, {} before it",
+        backend.outstanding_bytes(),
+        before.1
+    );
+    gpucache::empty_cache();
+    assert_eq!(backend.outstanding_bytes(), 0);
+}

@@ -165,6 +165,10 @@ pub(in crate::cache) struct DeviceArena {
     /// a device allocation of the cache that would take it past [`DeviceArena::high`]. Counted
     /// as cached.
     pub(super) spares: Vec<Held>,
+    /// The spares kept from arrays apart that dropped within this step after it left its plan
+    /// (by [`Block::id`]): they serve the step's next arrays apart, and go back to the device at
+    /// the step's end. Ids of spares taken or freed since may linger until then.
+    pub(super) step_spares: Vec<u64>,
     /// The plan's block, given up while no array used it and no stream's work on it was
     /// pending (the step left its plan, or outgrew it, or a larger plan was made or switched
     /// in), when its backend can grow it in place, with the step it was given up in: the next

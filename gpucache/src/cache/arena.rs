@@ -130,11 +130,13 @@
 //! smallest that makes room alone, else the oldest, and again; small spares stay, at most
 //! [`MAX_SMALL_SPARES`]), so that keeping them never raises the cache's peak by more than 32 KiB,
 //! and a server's next request finds its predecessor's keys and values however many steps later it
-//! comes. In a step that left its plan, a large solo block whose array dropped within the step is a
-//! spare too until the step ends, for the step's next arrays apart (a detector's step that left its
-//! plan serves its largest feature maps apart one after another, each a device allocation: Faster
-//! R-CNN's, RetinaNet's, FCOS's), and then goes back. Any other solo block whose array dropped
-//! within its step goes back at once: the next plan holds its bytes. A solo block's view spans the whole block, and a spare whose array dropped on
+//! comes. In a step a plan serves, a large solo block whose array dropped within the step is a
+//! spare too until the step ends, for the step's next arrays apart, and then goes back: such a
+//! step's arrays apart come one after another (a detector's step that left its plan serves its
+//! largest feature maps apart when no gap holds them; a step over an earlier step's arrays still
+//! alive in the block serves the positions over them apart), each a device allocation before.
+//! Any other solo block whose array dropped within its step (the first step's) goes back at
+//! once: the next plan holds its bytes. A solo block's view spans the whole block, and a spare whose array dropped on
 //! the owner thread, used on no other stream, keeps that view ([`Held::Viewed`]): the next array it
 //! serves on the same stream takes it again, so a decoder's cache of keys and values, replaced
 //! every step, makes no view at all once its spares go round (a spare served on another stream
@@ -1419,12 +1421,15 @@ impl DeviceArena {
     }
 
     /// Whether a solo block of `bytes` whose array dropped within its step is kept as a spare
-    /// until the step's end ([`DeviceArena::step_spares`]): it is larger than small, and the step
-    /// left its plan, so that its arrays apart come one after another (a detector's larger
-    /// feature maps, served apart when no gap of the block holds them). Kept across steps, such
-    /// blocks crowded the next plans' blocks (GPT-2 training 1.000x -> 1.175x of peak live).
+    /// until the step's end ([`DeviceArena::step_spares`]): it is larger than small, and a plan
+    /// serves the step (not the first step, whose arrays all go apart and whose blocks the plan
+    /// replaces). Such a step's arrays apart come one after another: a detector's larger feature
+    /// maps where no gap of the block holds them, positions that grew past their places, or
+    /// positions over an earlier step's arrays still alive in the block (Mask R-CNN's masks).
+    /// Kept across steps, such blocks crowded the next plans' blocks (GPT-2 training 1.000x ->
+    /// 1.175x of peak live).
     fn keeps_step_spare(&self, bytes: usize) -> bool {
-        bytes > layout::SMALL && self.diverged && self.plan.is_some()
+        bytes > layout::SMALL && self.plan.is_some()
     }
 
     /// Gives back the spares kept for this step alone ([`DeviceArena::step_spares`]) that are

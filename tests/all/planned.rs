@@ -1608,20 +1608,20 @@ fn arrays_apart_one_after_another_in_a_step_that_left_its_plan_share_a_block() {
         let keep = filled(DEV, 1u8, 4096);
         let start = backend.allocs();
         for k in 0..4u8 {
-            let t = filled(DEV, 20 + k, 16 << 20);
+            let t = filled(DEV, 20 + k, 1 << 20);
             assert!(common::all_eq(&t, 20 + k));
         }
         assert!(common::all_eq(&keep, 1));
         assert_eq!(
             backend.allocs() - start,
             1,
-            "four arrays of 16 MiB, each dead before the next, in one block"
+            "four arrays of 1 MiB, each dead before the next, in one block"
         );
-        assert!(backend.outstanding_bytes() >= before.1 + (16 << 20));
+        assert!(backend.outstanding_bytes() >= before.1 + (1 << 20));
     }
     // At the step's end the block kept for the step goes back.
     assert!(
-        backend.outstanding_bytes() < 16 << 20,
+        backend.outstanding_bytes() < 1 << 20,
         "{} bytes held after the step, {} before it",
         backend.outstanding_bytes(),
         before.1

@@ -15,6 +15,12 @@
 //! cargo run --release --example replay -- --longer 10 tests/fixtures/vit_infer.csv.gz cpu 3
 //! ```
 //!
+//! `--no-event-tracking` turns cudarc's event tracking off for the device's context before the
+//! replay: cudarc then makes no read and write events for a new slice (each array that is not
+//! served by a view kept from before gets a new slice, and with tracking two events), so the
+//! difference it makes is what those events cost. A measurement, not a setting to copy: a
+//! program that uses a buffer on several streams needs the events, or its own synchronisation.
+//!
 //! `--longer PASSES` replays each log's steps after the first that many more times, in
 //! shuffled orders ([`replay::reordered`]): a recording of ten steps shows a few batches or
 //! lengths in one order, a long run of the model brings every order. The figures are then the
@@ -91,6 +97,10 @@ fn main() -> Result<()> {
         only = Some(names.split(',').map(str::to_owned).collect::<Vec<_>>());
         args.drain(i..i + 2);
     }
+    // `--no-event-tracking`: cudarc's read and write events off for the device's context (see
+    // the module docs).
+    let no_events = args.iter().any(|a| a == "--no-event-tracking");
+    args.retain(|a| a != "--no-event-tracking");
     let mut rounds = 7usize;
     if let Some(n) = args.last().and_then(|a| a.parse().ok()) {
         rounds = n;
@@ -110,9 +120,23 @@ fn main() -> Result<()> {
     };
     if args.is_empty() {
         return Err(
-            "usage: replay [--longer PASSES] [--only NAMES] LOG.csv[.gz]... [cpu|cuda] [ROUNDS]"
+            "usage: replay [--longer PASSES] [--only NAMES] [--no-event-tracking] LOG.csv[.gz]... \
+             [cpu|cuda] [ROUNDS]"
                 .into(),
         );
+    }
+    if no_events && !dev.is_cuda() {
+        return Err("--no-event-tracking is for a CUDA device".into());
+    }
+    #[cfg(feature = "cuda")]
+    if no_events {
+        // SAFETY: cudarc then records no event on a slice's use and waits for none; the replay
+        // uses each array on the stream of the thread that made it (no kernel, its tags copied
+        // on that stream and synchronised), and gpucache orders a buffer's reuse on another
+        // stream itself.
+        unsafe {
+            gpucache::cuda::context(dev)?.disable_event_tracking();
+        }
     }
     let rounds = rounds.max(1);
     let mut summary = Vec::new();

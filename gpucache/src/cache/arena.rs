@@ -136,12 +136,12 @@
 //! largest feature maps apart when no gap holds them; a step over an earlier step's arrays still
 //! alive in the block serves the positions over them apart), each a device allocation before.
 //! Any other solo block whose array dropped within its step (the first step's) goes back at
-//! once: the next plan holds its bytes. A solo block's view spans the whole block, and a spare whose array dropped on
-//! the owner thread, used on no other stream, keeps that view ([`Held::Viewed`]): the next array it
-//! serves on the same stream takes it again, so a decoder's cache of keys and values, replaced
-//! every step, makes no view at all once its spares go round (a spare served on another stream
-//! first orders that stream after its earlier work, as a recycled buffer is, and gets a new view
-//! there).
+//! once: the next plan holds its bytes. A solo block's view spans the whole block, and a spare
+//! whose array dropped on the owner thread, used on no other stream, keeps that view
+//! ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a
+//! decoder's cache of keys and values, replaced every step, makes no view at all once its spares
+//! go round (a spare served on another stream first orders that stream after its earlier work,
+//! as a recycled buffer is, and gets a new view there).
 //!
 //! # Off the free-list paths
 //!

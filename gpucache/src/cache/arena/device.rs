@@ -165,7 +165,7 @@ pub(in crate::cache) struct DeviceArena {
     /// a device allocation of the cache that would take it past [`DeviceArena::high`]. Counted
     /// as cached.
     pub(super) spares: Vec<Held>,
-    /// The spares kept from arrays apart that dropped within this step after it left its plan
+    /// The spares kept from arrays apart that dropped within this step, a step a plan serves
     /// (by [`Block::id`]): they serve the step's next arrays apart, and go back to the device at
     /// the step's end. Ids of spares taken or freed since may linger until then.
     pub(super) step_spares: Vec<u64>,

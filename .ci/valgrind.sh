@@ -49,21 +49,55 @@ if [[ -f .ci/valgrind.supp ]]; then
     suppressions=(--suppressions="$PWD/.ci/valgrind.supp")
 fi
 
+# Valgrind runs a process's threads one at a time, so a test binary takes one core: a binary of
+# many tests is split into as many shards as the machine has cores (its tests dealt round in
+# order of name), each a valgrind process of its own, run side by side.
+skips=(--skip planner::tests:: --skip plan::plans_fit_the_real_models_steps --skip replay_logs)
+shards=$(nproc 2>/dev/null || echo 1)
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+# Runs test binary $2 under memcheck from directory $1, with the test harness's arguments after.
+memcheck() {
+    local dir=$1 bin=$2
+    shift 2
+    # Run from the package directory, as `cargo test` does.
+    # --fair-sched: valgrind runs one thread at a time, and its default lock lets a thread that
+    # loops without blocking starve the others for minutes.
+    (cd "$dir" && valgrind --tool=memcheck --fair-sched=yes --error-exitcode=1 --leak-check=full \
+        --show-leak-kinds=definite --errors-for-leak-kinds=definite \
+        "${suppressions[@]}" "$bin" --quiet "${skips[@]}" "$@")
+}
+
 failed=()
 for entry in "${tests[@]}"; do
     dir=${entry%%$'\t'*}
     bin=${entry#*$'\t'}
     name=$(basename "$bin")
     echo "=== valgrind memcheck: ${name%-*}"
-    # Run from the package directory, as `cargo test` does.
-    # --fair-sched: valgrind runs one thread at a time, and its default lock lets a thread that
-    # loops without blocking starve the others for minutes.
-    if ! (cd "$dir" && valgrind --tool=memcheck --fair-sched=yes --error-exitcode=1 --leak-check=full \
-        --show-leak-kinds=definite --errors-for-leak-kinds=definite \
-        "${suppressions[@]}" "$bin" --quiet \
-        --skip planner::tests:: --skip plan::plans_fit_the_real_models_steps --skip replay_logs); then
-        failed+=("${name%-*}")
+    # The tests to run, the skipped ones left out here too (`--exact` names them whole).
+    mapfile -t names < <("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p' |
+        grep -v -e '^planner::tests::' -e '^plan::plans_fit_the_real_models_steps$' -e 'replay_logs' || true)
+    if ((shards < 2 || ${#names[@]} < 40)); then
+        memcheck "$dir" "$bin" || failed+=("${name%-*}")
+        continue
     fi
+    pids=()
+    for ((k = 0; k < shards; k++)); do
+        shard=()
+        for ((i = k; i < ${#names[@]}; i += shards)); do
+            shard+=("${names[i]}")
+        done
+        memcheck "$dir" "$bin" --exact "${shard[@]}" >"$logs/$k" 2>&1 &
+        pids+=($!)
+    done
+    for ((k = 0; k < shards; k++)); do
+        status=0
+        wait "${pids[k]}" || status=$?
+        echo "--- shard $((k + 1)) of $shards"
+        cat "$logs/$k"
+        ((status == 0)) || failed+=("${name%-*} (shard $((k + 1)))")
+    done
 done
 
 if ((${#failed[@]})); then

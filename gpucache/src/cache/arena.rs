@@ -1343,9 +1343,20 @@ impl DeviceArena {
             alone.then(|| smallest(usize::MAX)).flatten()
         })?;
         // In order: the oldest stay first.
-        let held = self.spares.remove(i);
+        let held = self.remove_spare(i);
         uncached(st, self.gauge, held.bytes());
         Some(held)
+    }
+
+    /// Takes spare `i` out of the spares (and out of [`DeviceArena::step_spares`]: a block
+    /// allocated later at the same address must not be taken for it).
+    fn remove_spare(&mut self, i: usize) -> Held {
+        let held = self.spares.remove(i);
+        if !self.step_spares.is_empty() {
+            let id = held.block().id();
+            self.step_spares.retain(|&s| s != id);
+        }
+        held
     }
 
     /// The bytes a new block may take without taking the cache past the most it has held on
@@ -1407,7 +1418,7 @@ impl DeviceArena {
                 .filter(|&i| may_go(&self.spares[i]) && self.spares[i].bytes() >= excess)
                 .min_by_key(|&i| self.spares[i].bytes())
                 .unwrap_or(oldest);
-            let spare = self.spares.remove(i);
+            let spare = self.remove_spare(i);
             self.free_cached(st, spare.into_block());
         }
     }
@@ -2716,6 +2727,7 @@ impl CacheState {
             if device.is_some_and(|d| d != a.device) {
                 continue;
             }
+            a.step_spares.clear();
             for spare in std::mem::take(&mut a.spares) {
                 a.free_cached(st, spare.into_block());
             }
@@ -2820,7 +2832,7 @@ impl CacheState {
             .sum();
         for a in &mut self.arenas.devices {
             while spare > cap && !a.spares.is_empty() {
-                let block = a.spares.remove(0).into_block();
+                let block = a.remove_spare(0).into_block();
                 spare -= block.bytes();
                 add(&st.evictions, 1);
                 a.free_cached(st, block);

@@ -167,7 +167,9 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) spares: Vec<Held>,
     /// The spares kept from arrays apart that dropped within this step, a step a plan serves
     /// (by [`Block::id`]): they serve the step's next arrays apart, and go back to the device at
-    /// the step's end. Ids of spares taken or freed since may linger until then.
+    /// the step's end. A spare leaves this list as it leaves the spares
+    /// ([`DeviceArena::remove_spare`]), so that no block made later at its address is taken for
+    /// it.
     pub(super) step_spares: Vec<u64>,
     /// The plan's block, given up while no array used it and no stream's work on it was
     /// pending (the step left its plan, or outgrew it, or a larger plan was made or switched

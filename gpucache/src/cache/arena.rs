@@ -2789,6 +2789,7 @@ impl CacheState {
                 let a = &mut self.arenas.devices[i];
                 cached(st, a.gauge, held.bytes());
                 if !escaped && held.bytes() > layout::SMALL {
+                    // Kept for this step alone (`keeps_step_spare`): it goes back at the end.
                     a.step_spares.push(held.block().id());
                 }
                 a.spares.push(held);

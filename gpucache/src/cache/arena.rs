@@ -2157,6 +2157,9 @@ impl DeviceArena {
             }
         }
         self.record.clear();
+        if let Some(plan) = &mut self.plan {
+            plan.layout.forget_growth();
+        }
         self.tick = 0;
         self.diverged = false;
         self.replan = false;

@@ -1417,15 +1417,8 @@ mod tests {
         let plan = greedy_by_size(&lives);
         assert!(holds(&lives, &plan, &[]));
         // On top of the rest, one after another, in the order of the step.
-        let top = (0..lives.len())
-            .filter(|&i| lives[i].bytes > ALIGN)
-            .map(|i| plan.offsets[i] + lives[i].bytes)
-            .max()
-            .unwrap();
         let at: Vec<usize> = small.iter().map(|&i| plan.offsets[i]).collect();
-        let stack: Vec<usize> = (0..small.len()).map(|k| top + k * ALIGN).collect();
-        assert_eq!(at, stack);
-        assert_eq!(plan.footprint, top + small.len() * ALIGN);
+        let top = stacked_on_top(&lives, &plan.offsets, &at, plan.footprint);
         // The rest is planned as it would be alone.
         let rest: Vec<Lifetime> = lives.iter().filter(|l| l.bytes > ALIGN).copied().collect();
         assert_eq!(greedy_by_size(&rest).footprint, top);
@@ -1463,15 +1456,28 @@ mod tests {
             .collect();
         assert!(small.len() >= MIN_STACKED, "{} small", small.len());
         // On top of every other array, those placed before included, one after another.
-        let top = (0..step.len())
-            .filter(|&i| step[i].bytes > ALIGN)
-            .map(|i| together.offsets[i] + step[i].bytes)
+        let at: Vec<usize> = small.iter().map(|&i| plan.offsets[i]).collect();
+        stacked_on_top(&step, &together.offsets, &at, plan.footprint);
+    }
+
+    /// Checks that the arrays of one [`ALIGN`] at the offsets `small_at` are stacked one after
+    /// another on top of the other arrays of `lives` (at `offsets`), up to `footprint`; returns
+    /// the top of those others.
+    fn stacked_on_top(
+        lives: &[Lifetime],
+        offsets: &[usize],
+        small_at: &[usize],
+        footprint: usize,
+    ) -> usize {
+        let top = (0..lives.len())
+            .filter(|&i| lives[i].bytes > ALIGN)
+            .map(|i| offsets[i] + lives[i].bytes)
             .max()
             .unwrap();
-        let at: Vec<usize> = small.iter().map(|&i| plan.offsets[i]).collect();
-        let stack: Vec<usize> = (0..small.len()).map(|k| top + k * ALIGN).collect();
-        assert_eq!(at, stack);
-        assert_eq!(plan.footprint, top + small.len() * ALIGN);
+        let stack: Vec<usize> = (0..small_at.len()).map(|k| top + k * ALIGN).collect();
+        assert_eq!(small_at, stack);
+        assert_eq!(footprint, top + small_at.len() * ALIGN);
+        top
     }
 
     #[test]

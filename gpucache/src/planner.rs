@@ -200,19 +200,25 @@ pub(crate) fn greedy_by_size_from(
     hint: &Cell<Hint>,
     room: usize,
 ) -> Plan {
-    let overlaps = Overlaps::of(lives);
     let live = peak_live(lives);
     let within = least_footprint(live, taken) + live / FIRST_FIT_WITHIN;
     let small = stacked(lives, live);
     let bytes: usize = small.iter().map(|&i| lives[i].bytes).sum();
     if small.len() < MIN_STACKED || bytes == 0 {
-        return plan_around(lives, &overlaps, taken, (within, room), hint);
+        return plan_around(lives, &Overlaps::of(lives), taken, (within, room), hint);
     }
-    // Its first try is kept when the whole plan, the stack on top, would be.
+    // The rest of a dense step is dense too: it scans (the same plan as listed); a sparse
+    // step's rest is listed alone (the whole step's pairs are never needed). Its first try is
+    // kept when the whole plan, the stack on top, would be.
+    let dense = Overlaps::scans(lives);
     with_stack(lives, &small, taken, |rest| {
         plan_around(
             rest,
-            &overlaps.of_rest(rest),
+            &if dense {
+                Overlaps::Scan
+            } else {
+                Overlaps::of(rest)
+            },
             taken,
             (within.saturating_sub(bytes), room.saturating_sub(bytes)),
             hint,
@@ -526,21 +532,33 @@ impl Overlaps {
     /// ones that started no later and have not ended by its start (for lifetimes that end after
     /// they start; any other makes it scan, as [`Lifetime::overlaps`] defines those).
     fn of(lives: &[Lifetime]) -> Overlaps {
-        Overlaps::listed(
-            lives,
-            MAX_LISTED_PAIRS.min(lives.len().saturating_mul(DENSE)),
-        )
+        Overlaps::listed(lives, Overlaps::most(lives))
+    }
+
+    /// The most pairs [`Overlaps::of`] lists for `lives`.
+    fn most(lives: &[Lifetime]) -> usize {
+        MAX_LISTED_PAIRS.min(lives.len().saturating_mul(DENSE))
+    }
+
+    /// Whether [`Overlaps::of`] `lives` scans, when that is told before listing a pair (a dense
+    /// step's: its pairs counted over the ticks; else `false`, whatever listing would tell).
+    fn scans(lives: &[Lifetime]) -> bool {
+        Overlaps::scans_past(lives, Overlaps::most(lives))
+    }
+
+    /// [`Overlaps::scans`], listing at most `most` pairs.
+    fn scans_past(lives: &[Lifetime], most: usize) -> bool {
+        lives.len() > u32::MAX as usize
+            || lives.iter().any(|l| l.end <= l.start)
+            // A dense step, told without listing its pairs until there are too many.
+            || pairs_about(lives).is_some_and(|pairs| pairs > most)
     }
 
     /// [`Overlaps::of`], listing at most `most` pairs: a step with more scans (told by
     /// [`pairs_about`] before any pair is listed; the plans of the dense training steps took
     /// 0.91x-0.95x of the time so).
     fn listed(lives: &[Lifetime], most: usize) -> Overlaps {
-        if lives.len() > u32::MAX as usize || lives.iter().any(|l| l.end <= l.start) {
-            return Overlaps::Scan;
-        }
-        if pairs_about(lives).is_some_and(|pairs| pairs > most) {
-            // A dense step, told without listing its pairs until there are too many.
+        if Overlaps::scans_past(lives, most) {
             return Overlaps::Scan;
         }
         let mut by_start: Vec<u32> = (0..lives.len() as u32).collect();
@@ -574,16 +592,6 @@ impl Overlaps {
             }
         }
         Overlaps::Listed { from, with }
-    }
-
-    /// The overlaps of `rest`, some of the lifetimes whose overlaps these are: a dense step's
-    /// rest is dense too, and scans (the same plan as listed, without listing); a sparse step's
-    /// rest is listed again.
-    fn of_rest(&self, rest: &[Lifetime]) -> Overlaps {
-        match self {
-            Overlaps::Scan => Overlaps::Scan,
-            Overlaps::Listed { .. } => Overlaps::of(rest),
-        }
     }
 
     /// How many lifetimes overlap `lives[i]`'s, when listed.
@@ -743,16 +751,13 @@ impl ByOffset {
 /// ```
 pub fn greedy_by_size_among(lives: &[Lifetime], placed: &[(Lifetime, usize)]) -> Plan {
     let all = with_placed(lives, placed);
-    let overlaps = Overlaps::of(&all);
     let small = stacked(lives, peak_live(&all));
     if small.len() < MIN_STACKED {
-        return among(&all, lives, placed, &overlaps);
+        return among(&all, lives, placed);
     }
     // The rest's footprint counts the arrays placed: above it, the stack meets none.
     with_stack(lives, &small, &[], |rest| {
-        let all = with_placed(rest, placed);
-        let overlaps = overlaps.of_rest(&all);
-        among(&all, rest, placed, &overlaps)
+        among(&with_placed(rest, placed), rest, placed)
     })
 }
 
@@ -765,14 +770,8 @@ fn with_placed(lives: &[Lifetime], placed: &[(Lifetime, usize)]) -> Vec<Lifetime
         .collect()
 }
 
-/// [`greedy_by_size_among`], every array placed; `all`: [`with_placed`], whose overlaps are
-/// `overlaps`.
-fn among(
-    all: &[Lifetime],
-    lives: &[Lifetime],
-    placed: &[(Lifetime, usize)],
-    overlaps: &Overlaps,
-) -> Plan {
+/// [`greedy_by_size_among`], every array placed; `all`: [`with_placed`].
+fn among(all: &[Lifetime], lives: &[Lifetime], placed: &[(Lifetime, usize)]) -> Plan {
     let n = placed.len();
     let mut order: Vec<usize> = (0..n).collect();
     order.extend(
@@ -781,7 +780,7 @@ fn among(
             .map(|i| i + n),
     );
     let at: Vec<usize> = placed.iter().map(|&(_, at)| at).collect();
-    let plan = place_after(all, &order, overlaps, true, &[], &at);
+    let plan = place_after(all, &order, &Overlaps::of(all), true, &[], &at);
     Plan {
         offsets: plan.offsets[n..].to_vec(),
         footprint: plan.footprint,

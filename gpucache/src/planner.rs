@@ -38,8 +38,8 @@
 //! least 64 of them; a training step has hundreds: biases, norms' statistics and their
 //! gradients, scalars; a detector's inference step boxes, scores and indices). The rest is placed
 //! without them (a dense step's in about the square of its number: 0.39x-0.88x of the time on
-//! the training steps recorded; a detector's in 0.54x-0.87x), and the plan holds at most a 1024th
-//! more.
+//! the training steps recorded; stacked, a detector's steps took 0.54x-0.87x of their host time
+//! on the CPU), and the plan holds at most a 1024th more.
 //!
 //! The module is public so that tools can plan logs the way the cache does (the replay example
 //! prints what plans would hold on a PyTorch model's log).

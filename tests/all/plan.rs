@@ -1,12 +1,13 @@
 //! The step planner of `gpucache_suite::replay::plan` (greedy by size, best fit): arrays alive at
-//! the same time never share bytes, a plan takes at least the step's peak live bytes and at most
-//! the sum of its arrays, small plans equal the ones worked out by hand, and on the PyTorch
+//! the same time never share bytes (also in steps whose smallest arrays are stacked, dense or
+//! sparse, and in the rest of a step placed among its first arrays), a plan takes at least the
+//! step's peak live bytes and at most the sum of its arrays, small plans equal the ones worked out by hand, and on the PyTorch
 //! models' logs plans fit fixed-shape steps within 1.10x of their peak live bytes and decoding
 //! within 1.5x (what the planned tier is to reach).
 
 use proptest::prelude::*;
 
-use gpucache::planner::{Lifetime, greedy_by_size, peak_live};
+use gpucache::planner::{Lifetime, greedy_by_size, greedy_by_size_among, peak_live};
 use gpucache_suite::replay::plan::simulate;
 
 fn life(bytes: usize, start: u32, end: u32) -> Lifetime {
@@ -20,6 +21,86 @@ fn lifetimes() -> impl Strategy<Value = Vec<Lifetime>> {
             .map(|(bytes, start, len)| life(bytes, start, start + len))
             .collect()
     })
+}
+
+/// Random steps of many arrays, one in two of at most 256 bytes (the planner stacks a step's
+/// smallest arrays on top of the rest, when there are at least 64 of them), the others of 1-7
+/// MiB: 64 to 300 arrays, each alive for 1 to `span` ticks of 300 (a short span: a sparse step
+/// whose arrays meet a few others; a long one: a dense step).
+fn steps_with_small_arrays() -> impl Strategy<Value = Vec<Lifetime>> {
+    (1u32..200).prop_flat_map(|span| {
+        prop::collection::vec(
+            (
+                any::<bool>(),
+                0usize..=256,
+                1usize..8,
+                0u32..300,
+                1u32..=span,
+            ),
+            64..300,
+        )
+        .prop_map(|v| {
+            v.into_iter()
+                .map(|(small, b, mib, start, len)| {
+                    let bytes = if small { b } else { mib << 20 };
+                    life(bytes, start, start + len)
+                })
+                .collect()
+        })
+    })
+}
+
+/// Whether the arrays of `lives` at `offsets` that are alive together never share a byte, and
+/// all lie within `footprint`.
+fn apart(lives: &[Lifetime], offsets: &[usize], footprint: usize) -> bool {
+    let ends_within = lives
+        .iter()
+        .zip(offsets)
+        .all(|(l, &at)| l.bytes == 0 || at + l.bytes <= footprint);
+    ends_within
+        && lives.iter().enumerate().all(|(i, a)| {
+            lives.iter().enumerate().skip(i + 1).all(|(j, b)| {
+                let (x, y) = (offsets[i], offsets[j]);
+                !a.overlaps(b)
+                    || a.bytes == 0
+                    || b.bytes == 0
+                    || x + a.bytes <= y
+                    || y + b.bytes <= x
+            })
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_step_with_its_smallest_arrays_stacked_keeps_every_two_alive_together_apart(
+        lives in steps_with_small_arrays()
+    ) {
+        let plan = greedy_by_size(&lives);
+        let sum: usize = lives.iter().map(|l| l.bytes).sum();
+        prop_assert!(apart(&lives, &plan.offsets, plan.footprint));
+        prop_assert!(plan.footprint >= peak_live(&lives));
+        prop_assert!(plan.footprint <= sum);
+    }
+
+    #[test]
+    fn the_rest_of_such_a_step_placed_among_its_first_arrays_keeps_them_apart(
+        lives in steps_with_small_arrays(),
+        made in 0usize..64,
+    ) {
+        // The first `made` arrays (by start) were placed by a plan of their own; the rest is
+        // placed among them.
+        let mut lives = lives;
+        lives.sort_by_key(|l| l.start);
+        let (early, rest) = lives.split_at(made.min(lives.len()));
+        let early_plan = greedy_by_size(early);
+        let placed: Vec<(Lifetime, usize)> =
+            early.iter().copied().zip(early_plan.offsets.iter().copied()).collect();
+        let plan = greedy_by_size_among(rest, &placed);
+        let offsets: Vec<usize> = early_plan.offsets.iter().chain(&plan.offsets).copied().collect();
+        prop_assert!(apart(&lives, &offsets, plan.footprint));
+    }
 }
 
 proptest! {

@@ -1450,14 +1450,12 @@ impl DeviceArena {
             return;
         }
         let ids = std::mem::take(&mut self.step_spares);
-        let mut k = 0;
-        while k < self.spares.len() {
-            if ids.contains(&self.spares[k].block().id()) {
-                let spare = self.spares.remove(k);
-                self.free_cached(st, spare.into_block());
-            } else {
-                k += 1;
-            }
+        let gone: Vec<Held> = self
+            .spares
+            .extract_if(.., |s| ids.contains(&s.block().id()))
+            .collect();
+        for spare in gone {
+            self.free_cached(st, spare.into_block());
         }
     }
 
@@ -2791,8 +2789,8 @@ impl CacheState {
             {
                 let a = &mut self.arenas.devices[i];
                 cached(st, a.gauge, held.bytes());
-                if !escaped && held.bytes() > layout::SMALL {
-                    // Kept for this step alone (`keeps_step_spare`): it goes back at the end.
+                if !escaped && a.keeps_step_spare(held.bytes()) {
+                    // Kept for this step alone: it goes back at the step's end.
                     a.step_spares.push(held.block().id());
                 }
                 a.spares.push(held);

@@ -955,6 +955,30 @@ fn a_detectors_outputs_made_late_in_a_step_on_its_plan_take_the_blocks_gaps() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A step that follows its plan keeps its plan when its output, planned apart, is made late in
+/// it and kept into the next step (a training step's logits, returned): only a scope whose
+/// steps keep leaving their plans (a detector's) serves such an array from the block's gaps,
+/// which would have every step leave its plan and be planned again.
+#[test]
+fn an_output_kept_past_a_step_that_follows_its_plan_leaves_the_plan_alone() {
+    let name = "unit-kept-output";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    let mut kept = None;
+    for v in 1..4 {
+        kept = Some(masks_step(name, 0, v, kept.take()));
+    }
+    let (made, allocs) = (plans(), backend.allocs());
+    for v in 4..10 {
+        kept = Some(masks_step(name, 0, v, kept.take()));
+    }
+    assert_eq!(plans(), made, "no plan made again");
+    assert_eq!(backend.allocs(), allocs, "no device allocation");
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A detector's step: two images, each larger than the plan's (together past a 64th of the
 /// footprint), and feature maps smaller than planned (the model resizes its images). The images
 /// go apart and the rest follows the plan; scaling the plan by the images' growth at the second

@@ -1170,8 +1170,10 @@ impl DeviceArena {
     /// gaps to serve it and the rest of the step: the step followed its plan so far, in its
     /// second half, in a scope whose last [`LEFT_IN_A_ROW`] steps left theirs (a detector's,
     /// whose steps never come again); the array is at least an [`OUTPUT_SHARE`]th of the most
-    /// the cache has held, and at most a quarter of the block; and the plan keeps no more arrays
-    /// apart than can be pinned ([`MAX_PINS`]). A detector's outputs, kept by the caller into the
+    /// the cache has held, and at most a quarter of the block, which can grow in place (the
+    /// next plan is placed around the array, pinned, the block grown under it if need be: a
+    /// block that cannot grow would serve the plan's positions over it apart); and the plan keeps
+    /// no more arrays apart than can be pinned ([`MAX_PINS`]). A detector's outputs, kept by the caller into the
     /// next step, are made at the end of its step, when the block's arrays are mostly dead:
     /// apart, each took a block of its own beside the plan's, alive through the next step too,
     /// whose outputs took two more (Mask R-CNN's masks, two of 54-214 MiB a step, in steps of
@@ -1185,9 +1187,11 @@ impl DeviceArena {
         let Some(plan) = &self.plan else {
             return false;
         };
+        // SAFETY: a plan's block is the cache's until detached, and alive while it is.
+        let growable = |b: BlockPtr| unsafe { b.as_ref() }.block.is_growable();
         !self.diverged
             && self.left_in_a_row >= LEFT_IN_A_ROW
-            && plan.block.is_some()
+            && plan.block.is_some_and(growable)
             && 2 * rec as usize >= plan.layout.len()
             && size.saturating_mul(OUTPUT_SHARE) >= self.high
             && size.saturating_mul(4) <= plan.block_bytes()

@@ -901,7 +901,7 @@ fn a_growth_under_a_detectors_outputs_the_device_refuses_retires_the_block() {
 /// One step of a segmenting detector of kind `kind` (0 to 2) in `name`'s scope: a chain of
 /// maps, as many and as long as the kind says, then its two outputs (masks, an image each, each
 /// filled with `v`), returned, for the caller to keep into the next step; the step before's
-/// outputs (`last`) are checked and dropped at the step's end.
+/// outputs (`last`) are checked and dropped after its own are made, before it ends.
 fn masks_step(name: &str, kind: usize, v: u32, last: Option<[Array<u32>; 2]>) -> [Array<u32>; 2] {
     let _scope = crate::enter(name);
     chain(std::iter::repeat_n(32 * 1024 - 4096 * kind, 6 + kind));

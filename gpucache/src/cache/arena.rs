@@ -1173,13 +1173,15 @@ impl DeviceArena {
     /// the cache has held, and at most a quarter of the block, which can grow in place (the
     /// next plan is placed around the array, pinned, the block grown under it if need be: a
     /// block that cannot grow would serve the plan's positions over it apart); and the plan keeps
-    /// no more arrays apart than can be pinned ([`MAX_PINS`]). A detector's outputs, kept by the caller into the
-    /// next step, are made at the end of its step, when the block's arrays are mostly dead:
-    /// apart, each took a block of its own beside the plan's, alive through the next step too,
-    /// whose outputs took two more (Mask R-CNN's masks, two of 54-214 MiB a step, in steps of
-    /// another kind than the one before, so following a shelved plan: 1.35x-1.55x of peak live
-    /// over twelve long runs of shuffled steps). From the gaps they are pinned at the step's end,
-    /// the next plan placed around them (`DeviceArena::pins_for`; 1.18x-1.32x). Not in the
+    /// no more arrays apart than can be pinned ([`MAX_PINS`]).
+    ///
+    /// A detector's outputs, kept by the caller into the next step, are made at the end of its
+    /// step, when the block's arrays are mostly dead: apart, each took a block of its own beside
+    /// the plan's, alive through the next step too, whose outputs took two more (Mask R-CNN's
+    /// masks, two of 54-214 MiB a step, in a step of the kind of an earlier one, so following
+    /// its shelved plan: 1.35x-1.55x of peak live over twelve long runs of shuffled steps). From
+    /// the gaps they are pinned at the step's end, the next plan placed around them
+    /// (`DeviceArena::pins_for`; 1.18x-1.32x), at the cost of a plan made every step. Not in the
     /// step's first half (an inference step's input batch, apart, is its first allocation), nor
     /// in a scope whose steps follow their plans (a training step's output kept past it would
     /// make every step leave its plan).

@@ -141,11 +141,7 @@
 //! ([`Held::Viewed`]): the next array it serves on the same stream takes it again, so a
 //! decoder's cache of keys and values, replaced every step, makes no view at all once its spares
 //! go round (a spare served on another stream first orders that stream after its earlier work,
-//! as a recycled buffer is, and gets a new view there). But in a scope whose steps keep leaving
-//! their plans (a detector's), a large array apart made in the second half of a step that
-//! followed its plan so far (the detector's outputs, kept by the caller into the next step) makes
-//! the step leave its plan there: the block, whose arrays are mostly dead by then, serves it
-//! from its gaps, and it is pinned at the step's end ([`DeviceArena::output_into_gaps`]).
+//! as a recycled buffer is, and gets a new view there).
 //!
 //! # Off the free-list paths
 //!
@@ -329,11 +325,6 @@ const GROWN_TO_SCALE: usize = 3;
 /// its block, with no device allocation, is not planned again
 /// ([`DeviceArena::settled_in_block`]).
 const LEFT_IN_A_ROW: usize = 2;
-
-/// An array that the plan serves apart and that is at least this fraction of the most the cache
-/// has held is served from the block's gaps when a detector's step makes it late
-/// ([`DeviceArena::output_into_gaps`]); a smaller one costs the cache little apart.
-const OUTPUT_SHARE: usize = 64;
 
 /// An array that outgrows its position and is at least this fraction of the plan's footprint
 /// makes the step leave its plan, when serving it apart would raise the cache's peak
@@ -1163,41 +1154,6 @@ impl DeviceArena {
             0
         };
         settled
-    }
-
-    /// Whether allocation `rec`, of `size` aligned bytes, at a position the plan serves apart
-    /// (its array outlived the recorded step), makes the step leave its plan, for the block's
-    /// gaps to serve it and the rest of the step: the step followed its plan so far, in its
-    /// second half, in a scope whose last [`LEFT_IN_A_ROW`] steps left theirs (a detector's,
-    /// whose steps never come again); the array is at least an [`OUTPUT_SHARE`]th of the most
-    /// the cache has held, and at most a quarter of the block, which can grow in place (the
-    /// next plan is placed around the array, pinned, the block grown under it if need be: a
-    /// block that cannot grow would serve the plan's positions over it apart); and the plan keeps
-    /// no more arrays apart than can be pinned ([`MAX_PINS`]).
-    ///
-    /// A detector's outputs, kept by the caller into the next step, are made at the end of its
-    /// step, when the block's arrays are mostly dead: apart, each took a block of its own beside
-    /// the plan's, alive through the next step too, whose outputs took two more (Mask R-CNN's
-    /// masks, two of 54-214 MiB a step, in a step of the kind of an earlier one, so following
-    /// its shelved plan: 1.35x-1.55x of peak live over twelve long runs of shuffled steps). From
-    /// the gaps they are pinned at the step's end, the next plan placed around them
-    /// (`DeviceArena::pins_for`; 1.18x-1.32x), at the cost of a plan made every step. Not in the
-    /// step's first half (an inference step's input batch, apart, is its first allocation), nor
-    /// in a scope whose steps follow their plans (a training step's output kept past it would
-    /// make every step leave its plan).
-    fn output_into_gaps(&self, rec: u32, size: usize) -> bool {
-        let Some(plan) = &self.plan else {
-            return false;
-        };
-        // SAFETY: a plan's block is the cache's until detached, and alive while it is.
-        let growable = |b: BlockPtr| unsafe { b.as_ref() }.block.is_growable();
-        !self.diverged
-            && self.left_in_a_row >= LEFT_IN_A_ROW
-            && plan.block.is_some_and(growable)
-            && 2 * rec as usize >= plan.layout.len()
-            && size.saturating_mul(OUTPUT_SHARE) >= self.high
-            && size.saturating_mul(4) <= plan.block_bytes()
-            && plan.layout.apart_count() <= MAX_PINS
     }
 
     /// Whether the step that just ended, which left its plan, is served as well by the plan it
@@ -2299,11 +2255,6 @@ impl CacheState {
                 grown = !self.arenas.devices[i].short_of_plan();
             }
             let a = &mut self.arenas.devices[i];
-            // A detector's output, made late in a step that followed its plan so far: the step
-            // leaves its plan here, and the block's gaps serve it and the rest of the step.
-            if matches!(serve, Serve::Apart) && a.output_into_gaps(rec, size) {
-                serve = Serve::Diverged;
-            }
             match serve {
                 Serve::At(offset) => return self.served_at(st, i, req, pos, offset, rec),
                 // In a step that left its plan, a position of a first step's optimizer state: the

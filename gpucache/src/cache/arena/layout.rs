@@ -1330,11 +1330,6 @@ impl Layout {
         large.nth(1).is_none()
     }
 
-    /// How many positions the plan serves apart.
-    pub(super) fn apart_count(&self) -> usize {
-        self.spots.iter().filter(|s| s.apart).count()
-    }
-
     /// The recorded size of position `k` when it is apart (0 for a position in the block).
     pub(super) fn recorded_apart(&self, k: u32) -> usize {
         self.spots

@@ -2,7 +2,7 @@
 //! make.
 
 use crate::backend::VIEWS_MADE;
-use crate::cache::{MAX_SHELVED_POSITIONS, PLANS_MADE, SHELVED_MOST};
+use crate::cache::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST};
 use std::sync::Arc;
 
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
@@ -1052,4 +1052,264 @@ fn steps_that_never_come_again_within_the_block_are_not_planned_each() {
     );
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// The steps served online that ended on this thread so far.
+fn online_steps() -> u64 {
+    ONLINE_STEPS.with(std::cell::Cell::get)
+}
+
+/// A small deterministic generator (xorshift) for the steps below.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A step of a detector whose steps never come again: chains of maps of sizes drawn anew each
+/// step, with a few large arrays living through most of the step, and two outputs kept by the
+/// caller into the next step (checked there, and dropped after this step's are made).
+fn unrepeated_step(
+    name: &str,
+    rng: &mut Xorshift,
+    v: u32,
+    last: Option<[Array<u32>; 2]>,
+) -> [Array<u32>; 2] {
+    let _scope = crate::enter(name);
+    let features: Vec<Array<u32>> = (0..3)
+        .map(|i| filled(8 * 1024 + rng.below(24 * 1024) as usize, v + i))
+        .collect();
+    for _ in 0..3 {
+        let n = 2 + rng.below(5) as usize;
+        let lens: Vec<usize> = (0..n)
+            .map(|_| 1024 + rng.below(48 * 1024) as usize)
+            .collect();
+        chain(lens);
+    }
+    let outputs = [
+        filled(1024 + rng.below(16 * 1024) as usize, v),
+        filled(1024 + rng.below(16 * 1024) as usize, v + 1),
+    ];
+    for (i, f) in features.iter().enumerate() {
+        assert!(f.to_vec().unwrap().iter().all(|&e| e == v + i as u32));
+    }
+    if let Some(last) = last {
+        let ok = |a: &Array<u32>, v: u32| a.to_vec().unwrap().iter().all(|&e| e == v);
+        assert!(ok(&last[0], v - 4) && ok(&last[1], v - 3));
+    }
+    outputs
+}
+
+/// A scope whose steps never come again goes online once its plans are measured to hold more
+/// than online serving would: from then on no plan is made, the arrays kept across steps stay
+/// in the block, every value is what was written, and `invalidate` gives every byte back (the
+/// next steps starting cold, on plans).
+#[test]
+fn steps_that_never_come_again_are_served_online_once_plans_hold_more() {
+    let name = "unit-online";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    let mut rng = Xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut kept = None;
+    let mut v = 4;
+    let (online0, plans0) = (online_steps(), plans());
+    let mut switched = None;
+    for step in 0..60 {
+        kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
+        v += 4;
+        if switched.is_none() && online_steps() > online0 {
+            switched = Some((step, plans(), backend.allocs(), backend.peak_bytes()));
+            backend.reset_peak();
+        }
+    }
+    let Some((step, plans_then, allocs_then, planned_peak)) = switched else {
+        panic!("the scope never went online");
+    };
+    assert!(step < 40, "online from step {step}");
+    assert_eq!(
+        online_steps() - online0,
+        60 - step,
+        "every step since was online"
+    );
+    assert_eq!(plans(), plans_then, "no plan made online");
+    assert!(plans_then > plans0);
+    // The block grows rarely; every other allocation is a range of it.
+    assert!(
+        backend.allocs() - allocs_then <= 4,
+        "{} device allocations online",
+        backend.allocs() - allocs_then
+    );
+    assert!(
+        backend.peak_bytes() <= planned_peak,
+        "online held {} bytes where the plans held {planned_peak}",
+        backend.peak_bytes()
+    );
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+    // A cold start: plans again.
+    let made = plans();
+    let mut kept = None;
+    for _ in 0..3 {
+        kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
+        v += 4;
+    }
+    assert!(plans() > made);
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0);
+}
+
+/// Online, a scope keeps working through what the plans' steps go through: an output dropped
+/// on another thread (its bytes stay taken until the owner settles them), the cache emptied
+/// in the middle of a step (its block retired under the arrays alive, the next steps cold),
+/// and the device refusing requests (a growth of the block: the array goes apart). Every value
+/// is what was written, and every byte goes back.
+#[test]
+fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
+    let name = "unit-online-faults";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    let mut rng = Xorshift(0x2545_f491_4f6c_dd1d);
+    let mut kept = None;
+    let mut v = 4;
+    let online0 = online_steps();
+    let step = |kept: &mut Option<[Array<u32>; 2]>, rng: &mut Xorshift, v: &mut u32| {
+        *kept = Some(unrepeated_step(name, rng, *v, kept.take()));
+        *v += 4;
+    };
+    while online_steps() == online0 {
+        step(&mut kept, &mut rng, &mut v);
+        assert!(v < 4 * 60, "the scope never went online");
+    }
+    // An output dropped on another thread: its bytes come back through the return queue.
+    if let Some([a, b]) = kept.take() {
+        let v = v - 4;
+        assert!(a.to_vec().unwrap().iter().all(|&e| e == v));
+        std::thread::spawn(move || drop(a)).join().unwrap();
+        kept = Some([filled(1024, v), b]);
+    }
+    for _ in 0..3 {
+        step(&mut kept, &mut rng, &mut v);
+    }
+    // Refused requests: each step's next device request fails once.
+    let failures = backend.failures();
+    for _ in 0..6 {
+        backend.fail_nth(1);
+        step(&mut kept, &mut rng, &mut v);
+    }
+    backend.fail_nth(0);
+    assert!(backend.failures() > failures, "a request was refused");
+    // The cache emptied in the middle of a step, with its arrays alive.
+    {
+        let _scope = crate::enter(name);
+        let a = filled(40 * 1024, 7);
+        crate::empty_cache();
+        let b = filled(30 * 1024, 8);
+        assert!(a.to_vec().unwrap().iter().all(|&e| e == 7));
+        assert!(b.to_vec().unwrap().iter().all(|&e| e == 8));
+    }
+    for _ in 0..8 {
+        step(&mut kept, &mut rng, &mut v);
+    }
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// Random programs of steps that never come again, served online once the shadow says so:
+/// arrays kept across steps (one to three, dropped early or late in the next step, or on another
+/// thread), and, once the scope is online, `invalidate` or `empty_cache` in the middle of some
+/// steps with arrays alive. Every array holds what was written when it drops, and every byte
+/// goes back at the end.
+#[test]
+fn random_programs_served_online_keep_every_value() {
+    let (backend, _installed, _serial) = planned("unit-online-random");
+    backend.set_growable(true);
+    let mut went_online = 0;
+    let mut cut_online = 0;
+    for seed in 1..=6u64 {
+        let name = format!("unit-online-random-{seed}");
+        crate::configure(
+            &name,
+            CacheConfig {
+                key: KeyPolicy::Planned,
+                ..CacheConfig::default()
+            },
+        );
+        let mut rng = Xorshift(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut kept: Vec<(Array<u32>, u32)> = Vec::new();
+        let online0 = online_steps();
+        let mut v = 0u32;
+        let mut next = |n: usize, v: &mut u32| {
+            *v += 1;
+            (filled(n, *v), *v)
+        };
+        let check = |(a, v): (Array<u32>, u32)| {
+            assert!(a.to_vec().unwrap().iter().all(|&e| e == v), "array {v}");
+        };
+        for _ in 0..40 {
+            let online = online_steps() > online0;
+            let _scope = crate::enter(&name);
+            // Some of the last step's arrays drop at once, some on another thread.
+            let early = rng.below(kept.len() as u64 + 1) as usize;
+            for a in kept.drain(..early) {
+                if rng.below(3) == 0 {
+                    std::thread::spawn(move || check(a)).join().unwrap();
+                } else {
+                    check(a);
+                }
+            }
+            let features: Vec<_> = (0..1 + rng.below(3))
+                .map(|_| next(4 * 1024 + rng.below(28 * 1024) as usize, &mut v))
+                .collect();
+            let cut = rng.below(4);
+            for c in 0..3 {
+                let mut chain = Vec::new();
+                for _ in 0..2 + rng.below(4) {
+                    if chain.len() == 2 {
+                        check(chain.remove(0));
+                    }
+                    chain.push(next(1024 + rng.below(40 * 1024) as usize, &mut v));
+                }
+                if online && c == 1 && cut == 0 {
+                    cut_online += 1;
+                    if rng.below(2) == 0 {
+                        crate::invalidate(&name);
+                    } else {
+                        crate::empty_cache();
+                    }
+                }
+                chain.into_iter().for_each(check);
+            }
+            features.into_iter().for_each(check);
+            // The rest of the last step's arrays drop after this step's are made.
+            let made = kept_later(&mut rng, &mut next, &mut v);
+            std::mem::replace(&mut kept, made)
+                .into_iter()
+                .for_each(check);
+        }
+        kept.into_iter().for_each(check);
+        went_online += u64::from(online_steps() > online0);
+        crate::invalidate(&name);
+    }
+    assert!(went_online >= 3, "{went_online} of 6 programs went online");
+    assert!(cut_online > 0, "no step served online was cut");
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// One to three arrays made at the end of a step, to be kept into the next.
+fn kept_later(
+    rng: &mut Xorshift,
+    next: &mut impl FnMut(usize, &mut u32) -> (Array<u32>, u32),
+    v: &mut u32,
+) -> Vec<(Array<u32>, u32)> {
+    (0..1 + rng.below(3))
+        .map(|_| next(256 + rng.below(16 * 1024) as usize, v))
+        .collect()
 }

@@ -1312,6 +1312,88 @@ fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> Te
     Ok(())
 }
 
+/// A detector's steps, which never come again: arrays of sizes drawn anew every step (three
+/// feature maps alive through it, chains of maps each dropped two allocations later), and two
+/// outputs kept into the next step. Such a scope goes online once its plans are measured to hold
+/// more than one block served online would: every allocation from the block's free ranges,
+/// grown in place (mapped further, under arrays alive and kernels queued) when none holds it.
+/// Kernels fill every array, and each is checked before it drops; the outputs keep their values
+/// into the next step; in the second half of the steps the device allocates (grows) at most
+/// four times.
+fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestResult {
+    let name = "cuda-online";
+    arena(name);
+    let stream = current(dev);
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    // Floats: multiples of 128 KiB, so that blocks are mapped (growable) on CUDA.
+    let mut draw = |lo: u64, span: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((lo + seed % span) * 128) as usize
+    };
+    let made = |len: usize, v: f32| -> Result<(Array<f32>, f32), Box<dyn StdError>> {
+        let mut a = Array::<f32>::empty(dev, len)?;
+        fill(&stream, &mut a, v)?;
+        Ok((a, v))
+    };
+    let check = |(a, v): &(Array<f32>, f32)| -> TestResult {
+        assert!(a.to_vec()?.iter().all(|x| x == v), "an array of {v}");
+        Ok(())
+    };
+    let steps = 48;
+    let mut kept: Option<[(Array<f32>, f32); 2]> = None;
+    let mut misses = 0;
+    for step in 0..steps {
+        if step == steps / 2 {
+            misses = stats(name).misses;
+        }
+        let v = step as f32 * 100.0;
+        let _scope = enter(name);
+        let mut features = Vec::new();
+        for i in 0..3 {
+            features.push(made(draw(8 * 1024, 24 * 1024), v + i as f32)?);
+        }
+        for c in 0..3 {
+            let n = 2 + draw(0, 5) / 128;
+            let mut chain: Vec<(Array<f32>, f32)> = Vec::new();
+            for i in 0..n {
+                if chain.len() == 2 {
+                    check(&chain.remove(0))?;
+                }
+                chain.push(made(
+                    draw(1024, 48 * 1024),
+                    v + 10.0 * (c + 1) as f32 + i as f32,
+                )?);
+            }
+            for a in &chain {
+                check(a)?;
+            }
+        }
+        let outputs = [
+            made(draw(1024, 16 * 1024), v + 90.0)?,
+            made(draw(1024, 16 * 1024), v + 91.0)?,
+        ];
+        for f in &features {
+            check(f)?;
+        }
+        if let Some(last) = kept.take() {
+            for (a, w) in &last {
+                assert!(*w == v - 10.0 || *w == v - 9.0, "the last step's output");
+                assert!(a.to_vec()?.iter().all(|x| x == w), "an output of {w}");
+            }
+        }
+        kept = Some(outputs);
+    }
+    if caching() {
+        let grown = stats(name).misses - misses;
+        assert!(grown <= 4, "{grown} device allocations in the second half");
+    }
+    drop(kept);
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// A test that needs a GPU, run on CUDA device 0.
 pub type GpuTest = fn(Device) -> TestResult;
 
@@ -1328,6 +1410,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     a_longer_sequence_grows_its_plans_block_in_place,
     a_block_grows_in_place_under_a_loss_kept_past_its_step,
     a_view_made_before_its_block_grew_is_not_stretched_past_its_end,
+    steps_that_never_come_again_compute_in_one_block_online,
     a_spare_serves_longer_arrays_through_the_view_it_kept,
     kernels_write_cached_arrays_and_values_round_trip,
     zeros_zeroes_a_recycled_buffer_on_the_gpu,

@@ -11,6 +11,7 @@ use smallvec::SmallVec;
 use super::block::BlockPtr;
 use super::gaps::Gaps;
 use super::layout::{Layout, Rec};
+use super::online::Shadow;
 use crate::Device;
 use crate::backend::Block;
 use crate::cache::counters::GaugeIx;
@@ -196,6 +197,23 @@ pub(in crate::cache) struct DeviceArena {
     /// allocations (see `DeviceArena::recurs_reordered`), the newest first, at most
     /// [`REORDERED`].
     pub(super) reordered: Vec<u64>,
+    /// The steps are served online (see the `online` module): every allocation from the
+    /// plan's block's free ranges, grown at its top when none holds it, and no plan made.
+    pub(super) online: bool,
+    /// Online serving simulated on the steps since one left its plan, while they are served
+    /// from plans ([`Shadow`]).
+    pub(super) shadow: Option<Box<Shadow>>,
+    /// While the shadow runs: the arrays of earlier steps that dropped in this one, as the
+    /// tick they dropped at, the step that made them and their aligned bytes.
+    pub(super) earlier_drops: Vec<(u32, u32, usize)>,
+    /// The most aligned bytes alive at once in a step whose record was read (one that left its
+    /// plan or made one), since the cache's cold start.
+    pub(super) peak_most: usize,
+    /// Steps to wait before another shadow may start (one stopped without the scope going
+    /// online).
+    pub(super) shadow_wait: u32,
+    /// How many shadows stopped without the scope going online.
+    pub(super) shadow_misses: u32,
 }
 
 /// How many steps that left their plan unplanned a device remembers.

@@ -140,6 +140,27 @@ impl Gaps {
         }
     }
 
+    /// The block grew to `bytes`: its new bytes are a gap (joined to the top one, if free).
+    pub(super) fn grow(&mut self, bytes: usize) {
+        if bytes > self.bytes() {
+            self.free.grow_to(bytes);
+        }
+    }
+
+    /// The bytes of the block the gaps are of.
+    pub(super) fn bytes(&self) -> usize {
+        self.free.initial_range().end
+    }
+
+    /// The bytes free at the block's top (the gap that ends where the block does, if any): an
+    /// array of `size` bytes that no gap holds needs the block grown by `size` less these.
+    pub(super) fn top_free(&self) -> usize {
+        self.free_ranges()
+            .last()
+            .filter(|r| r.end == self.bytes())
+            .map_or(0, |r| r.len())
+    }
+
     /// The free bytes (tests).
     #[cfg(test)]
     fn available(&self) -> usize {
@@ -207,5 +228,25 @@ mod tests {
             Some(580),
             "given back, at its gap's top again"
         );
+    }
+
+    #[test]
+    fn a_grown_block_joins_its_new_bytes_to_the_top_gap() {
+        let mut g = Gaps::new(1000, [0..600, 800..900]);
+        assert_eq!(g.top_free(), 100);
+        assert_eq!(g.take(0, 300, false), None);
+        // What the top gap lacks for 300 bytes: 200.
+        g.grow(1200);
+        assert_eq!(g.bytes(), 1200);
+        assert_eq!(g.top_free(), 300);
+        assert_eq!(
+            g.take(1, 300, false),
+            Some(900),
+            "the top gap, its old bytes and the new"
+        );
+        assert_eq!(g.top_free(), 0);
+        assert_eq!(g.take(2, 200, false), Some(600));
+        g.grow(1100);
+        assert_eq!(g.bytes(), 1200, "a block does not shrink");
     }
 }

@@ -1,0 +1,285 @@
+//! Steps served *online*, and the [`Shadow`] that says, as a scope's steps come, whether
+//! serving them so would hold less than its plans do.
+//!
+//! A plan holds a step that comes again (a training step, a batch of a size seen before) at
+//! about its peak live bytes. A step that never comes again (a detector's: as many proposals
+//! as its images give) leaves the plan made from the step before, is served from the block's
+//! gaps, and is planned again; the arrays that no gap holds go apart, and in runs of such steps
+//! the plans' block and what goes beside it drift up (Mask R-CNN: 1.4x-2.1x of its peak live
+//! bytes). Served *online*, every allocation of a step comes from the free ranges of one block
+//! per device, best fit ([`Gaps`]), from its first allocation on; an array no range holds grows
+//! the block at its top by what its top free range lacks, in whole [`GRANULE`]s; the arrays
+//! alive at a step's end stay where they are (pins) and the next step's ranges go around them;
+//! no plan is made. That holds Mask R-CNN's long runs at 1.11x-1.27x of their peak live bytes
+//! where its plans held up to 2.13x, but holds steps that come again in kind worse than their
+//! plans (a CNN whose batch varies: 1.3x-1.4x online where its plans hold 1.01x-1.08x). So a
+//! scope is served online only once its plans are measured to hold more than online serving
+//! would (the arena module's "Steps served online" says when).
+//!
+//! The [`Shadow`] is that measure: online serving simulated on the steps' records (each
+//! allocation's aligned size, in order, and the tick its array dropped) and on the drops of
+//! arrays kept from earlier steps, in a block of its own that exists only as numbers. It runs
+//! only for a scope whose steps have left their plans (a fixed-shape loop never pays for it).
+//! Its block's size is what online serving would have held; the cache's own peak is what the
+//! plans held.
+
+use super::gaps::Gaps;
+use super::layout::{OPEN, Rec};
+
+/// The unit an online block grows by: 2 MiB, the granularity in which CUDA maps memory in
+/// place. (In unit tests, 64 KiB, so that steps of small arrays show what large ones do.)
+pub(super) const GRANULE: usize = if cfg!(test) { 64 << 10 } else { 2 << 20 };
+
+/// The most arrays alive at a step's end that an online block keeps where they are (pins):
+/// a detector's outputs and the like. More, and the step is planned again as a plan's would be.
+pub(super) const MAX_ONLINE_PINS: usize = 256;
+
+/// The most arrays kept across steps that the shadow tracks: one dropped where the owner does
+/// not see it (on another thread) would otherwise stay in it for good.
+const MAX_SHADOW_KEPT: usize = 4 * MAX_ONLINE_PINS;
+
+/// A block grows by at least this fraction of its bytes, so that arrays that grow a little
+/// every step (a decoder's cache of keys and values, a token longer) grow it rarely: each
+/// growth maps memory (tens of microseconds on CUDA).
+pub(super) const GROWTH_SHARE: usize = 32;
+
+/// The bytes by which a block of `bytes` must grow for an array of `size` bytes at its top,
+/// where `top_free` bytes are free: what they lack, at least a [`GROWTH_SHARE`]th of the
+/// block, in whole granules.
+pub(super) fn growth(size: usize, top_free: usize, bytes: usize) -> usize {
+    size.saturating_sub(top_free)
+        .max(bytes / GROWTH_SHARE)
+        .next_multiple_of(GRANULE)
+}
+
+/// Online serving simulated on a scope's steps, one device's: see the module's docs.
+#[derive(Default)]
+pub(in crate::cache) struct Shadow {
+    /// The simulated block's free ranges (none before its first array).
+    gaps: Option<Gaps>,
+    /// The name of the next array (names only grow: [`Gaps`] keeps its ranges sorted by them).
+    next: u32,
+    /// The arrays alive at the end of their step, the oldest first: the step that made them,
+    /// their aligned bytes and their name.
+    kept: Vec<(u32, usize, u32)>,
+    /// How many steps it has seen.
+    steps: u32,
+    /// The bytes of the arrays it holds.
+    live: usize,
+    /// The most bytes of arrays it held at once: online serving's lower bound.
+    peak: usize,
+    /// Scratch: the drops of a step, as (tick, name, bytes).
+    drops: Vec<(u32, u32, usize)>,
+}
+
+impl Shadow {
+    /// The bytes online serving would have held at most, so far.
+    pub(super) fn held(&self) -> usize {
+        self.gaps.as_ref().map_or(0, Gaps::bytes)
+    }
+
+    /// The most bytes of the arrays it has seen alive at once.
+    pub(super) fn peak(&self) -> usize {
+        self.peak
+    }
+
+    /// How many steps it has seen.
+    pub(super) fn steps(&self) -> u32 {
+        self.steps
+    }
+
+    /// Step `step` ended: `record` holds its allocations in order (an array still alive has
+    /// the end [`OPEN`]), `earlier` the arrays of earlier steps that dropped in it, as the tick
+    /// they dropped at, the step that made them and their aligned bytes. Returns `false` when it
+    /// can no longer name the step's arrays (after four billion allocations): start another.
+    pub(super) fn step(
+        &mut self,
+        step: u32,
+        record: &[Rec],
+        earlier: &[(u32, u32, usize)],
+    ) -> bool {
+        let n = record.len() as u32;
+        let Some(next) = self.next.checked_add(n) else {
+            return false;
+        };
+        let base = self.next;
+        self.next = next;
+        self.steps = self.steps.saturating_add(1);
+        let mut drops = std::mem::take(&mut self.drops);
+        drops.clear();
+        for &(tick, made, bytes) in earlier {
+            // An array made before the shadow began, or served where it does not look, is
+            // not in it; one of the same step and size is as good as another.
+            if let Some(i) = self
+                .kept
+                .iter()
+                .position(|&(s, b, _)| s == made && b == bytes)
+            {
+                let (_, _, name) = self.kept.remove(i);
+                drops.push((tick, name, bytes));
+            }
+        }
+        for (k, r) in (0..n).zip(record) {
+            if r.end != OPEN {
+                drops.push((r.end.clamp(k + 1, n), base + k, r.bytes));
+            }
+        }
+        // Stable: at one tick, the earlier steps' arrays first, then in the order made.
+        drops.sort_by_key(|&(tick, ..)| tick);
+        let mut j = 0;
+        for (k, r) in (0..n).zip(record) {
+            while let Some(&(tick, name, bytes)) = drops.get(j).filter(|d| d.0 <= k) {
+                debug_assert!(tick <= k);
+                self.give_back(name, bytes);
+                j += 1;
+            }
+            self.take(base + k, r.bytes);
+        }
+        for &(_, name, bytes) in &drops[j..] {
+            self.give_back(name, bytes);
+        }
+        self.drops = drops;
+        for (k, r) in (0..n).zip(record) {
+            if r.end == OPEN && r.bytes > 0 {
+                self.kept.push((step, r.bytes, base + k));
+            }
+        }
+        if self.kept.len() > MAX_SHADOW_KEPT {
+            let gone: Vec<_> = self.kept.drain(..MAX_SHADOW_KEPT / 2).collect();
+            for (_, bytes, name) in gone {
+                self.give_back(name, bytes);
+            }
+        }
+        true
+    }
+
+    /// Array `name` of `size` bytes, made: best fit, the block grown if no range holds it.
+    fn take(&mut self, name: u32, size: usize) {
+        if size == 0 {
+            return;
+        }
+        self.live += size;
+        self.peak = self.peak.max(self.live);
+        let gaps = self
+            .gaps
+            .get_or_insert_with(|| Gaps::new(growth(size, 0, 0), []));
+        if gaps.take(name, size, false).is_none() {
+            let bytes = gaps.bytes() + growth(size, gaps.top_free(), gaps.bytes());
+            gaps.grow(bytes);
+            let taken = gaps.take(name, size, false);
+            debug_assert!(
+                taken.is_some(),
+                "the grown block holds {size} bytes at its top"
+            );
+        }
+    }
+
+    /// Array `name` of `size` bytes dropped.
+    fn give_back(&mut self, name: u32, size: usize) {
+        if let Some(gaps) = &mut self.gaps
+            && gaps.give_back(name, size).is_some()
+        {
+            self.live -= size;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tests' arrays are multiples of a granule.
+    const G: usize = GRANULE;
+
+    /// A record of arrays of `sizes` (granules), each dropping at the tick given (or kept: `OPEN`).
+    fn record(arrays: &[(usize, u32)]) -> Vec<Rec> {
+        arrays
+            .iter()
+            .map(|&(g, end)| Rec {
+                bytes: g * G,
+                end,
+                planned: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn growth_is_what_the_top_range_lacks_in_whole_granules() {
+        assert_eq!(growth(3 * G, 0, 0), 3 * G);
+        assert_eq!(growth(3 * G, 2 * G, 8 * G), GRANULE);
+        assert_eq!(growth(3 * G, 3 * G, 0), 0);
+        assert_eq!(growth(1, 0, 0), GRANULE);
+        // A large block grows by a 32nd of it at least.
+        assert_eq!(growth(1, 0, 640 * G), 20 * G);
+        assert_eq!(growth(30 * G, 0, 640 * G), 30 * G);
+        assert_eq!(growth(30 * G - 1, 0, 0), 30 * G, "whole granules");
+    }
+
+    #[test]
+    fn a_step_is_held_in_its_peak_live_bytes_when_best_fit_allows() {
+        let mut s = Shadow::default();
+        // 4 and 2 granules alive, the 4 dropped; then 4 more fit where they were.
+        assert!(s.step(0, &record(&[(4, 2), (2, 3), (4, 3)]), &[]));
+        assert_eq!(s.held(), 6 * G);
+        assert_eq!(s.steps(), 1);
+        assert_eq!(s.peak(), 6 * G);
+        // The same step again: no growth.
+        assert!(s.step(1, &record(&[(4, 2), (2, 3), (4, 3)]), &[]));
+        assert_eq!(s.held(), 6 * G);
+    }
+
+    #[test]
+    fn an_array_kept_past_its_step_holds_its_range_until_it_drops() {
+        let mut s = Shadow::default();
+        // An output of 2 granules kept into the next step.
+        s.step(0, &record(&[(4, 1), (2, OPEN)]), &[]);
+        assert_eq!(s.held(), 4 * G, "the output fits where the first array was");
+        // The next step's first array cannot go where the output is: the block grows by what its
+        // top range lacks.
+        s.step(1, &record(&[(4, 1), (2, OPEN)]), &[]);
+        assert_eq!(s.held(), 6 * G);
+        // Its output dropped before this step's first array: the step fits again.
+        let before = s.held();
+        s.step(
+            2,
+            &record(&[(4, 1), (2, OPEN)]),
+            &[(0, 1, 2 * G), (0, 0, 2 * G)],
+        );
+        assert_eq!(s.held(), before);
+        assert_eq!(s.kept.len(), 1, "only this step's output is kept");
+    }
+
+    #[test]
+    fn drops_of_arrays_it_never_saw_are_ignored() {
+        let mut s = Shadow::default();
+        s.step(5, &record(&[(2, OPEN)]), &[(0, 4, 2 * G), (0, 5, 4 * G)]);
+        assert_eq!(s.kept.len(), 1);
+        assert_eq!(s.held(), 2 * G);
+    }
+
+    #[test]
+    fn the_arrays_it_keeps_are_bounded() {
+        let mut s = Shadow::default();
+        for step in 0..(MAX_SHADOW_KEPT as u32 + 1) {
+            s.step(step, &record(&[(1, OPEN)]), &[]);
+        }
+        assert!(s.kept.len() <= MAX_SHADOW_KEPT);
+        assert_eq!(s.kept.len(), MAX_SHADOW_KEPT / 2 + 1, "the older half went");
+        // The bytes of the arrays it forgot are free again: as many steps more fit them.
+        let held = s.held();
+        for step in 0..(MAX_SHADOW_KEPT as u32 / 2 - 1) {
+            s.step(step, &record(&[(1, OPEN)]), &[]);
+        }
+        assert_eq!(s.held(), held);
+    }
+
+    #[test]
+    fn it_stops_before_its_names_wrap() {
+        let mut s = Shadow {
+            next: u32::MAX - 1,
+            ..Shadow::default()
+        };
+        assert!(!s.step(0, &record(&[(1, 1), (1, 2)]), &[]));
+        assert_eq!(s.held(), 0, "nothing was simulated");
+    }
+}

@@ -1225,8 +1225,9 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
 /// Random programs of steps that never come again, served online once the shadow says so:
 /// arrays kept across steps (one to three, dropped early or late in the next step, or on another
 /// thread), and, once the scope is online, `invalidate` or `empty_cache` in the middle of some
-/// steps with arrays alive. Every array holds what was written when it drops, and every byte
-/// goes back at the end.
+/// steps with arrays alive. Every array holds what was written when it drops, after every step
+/// the cache accounts for every byte the device holds for it, and every byte goes back at the
+/// end.
 #[test]
 fn random_programs_served_online_keep_every_value() {
     let (backend, _installed, _serial) = planned("unit-online-random");
@@ -1255,7 +1256,7 @@ fn random_programs_served_online_keep_every_value() {
         };
         for _ in 0..40 {
             let online = online_steps() > online0;
-            let _scope = crate::enter(&name);
+            let scope = crate::enter(&name);
             // Some of the last step's arrays drop at once, some on another thread.
             let early = rng.below(kept.len() as u64 + 1) as usize;
             for a in kept.drain(..early) {
@@ -1293,6 +1294,11 @@ fn random_programs_served_online_keep_every_value() {
             std::mem::replace(&mut kept, made)
                 .into_iter()
                 .for_each(check);
+            drop(scope);
+            // The cache accounts for every byte the device holds for it (its blocks grown in
+            // place included).
+            let s = crate::stats(&name);
+            assert_eq!(backend.outstanding_bytes(), s.bytes_in_use + s.bytes_cached);
         }
         kept.into_iter().for_each(check);
         went_online += u64::from(online_steps() > online0);

@@ -134,22 +134,17 @@ impl Worker {
     }
 
     fn run(mut self, ops: usize, barrier: &Barrier) -> Totals {
-        for _ in 0..ops {
-            self.receive();
-            self.step();
-        }
-        // Hand nothing more on; take in (and drop) whatever the previous thread sends until it
-        // is done too, then drop everything.
-        while self.scopes.pop().is_some() {}
-        drop(self.next);
-        for (array, id) in self.inbox.iter() {
-            check(&array, id, "received");
-        }
-        for (array, id) in self.live.drain(..) {
-            check(&array, id, "dropped at the end");
-        }
+        // A panic (a pattern broken, a failed assertion) is raised again once every thread has
+        // reached the barrier: unwinding past it, this thread would leave the others waiting
+        // there for good, and the test would hang instead of failing.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work(ops)));
+        // After a panic too, so that the next thread's drain ends.
+        self.hang_up();
         // Now no array of this thread's caches is alive anywhere: every buffer has come home.
         barrier.wait();
+        if let Err(panic) = ran {
+            std::panic::resume_unwind(panic);
+        }
         for (i, name) in NAMES.iter().enumerate() {
             let s = gpucache::stats(name);
             assert_eq!(
@@ -171,6 +166,28 @@ impl Worker {
             );
         }
         self.totals
+    }
+
+    /// The thread's operations; then it hands nothing more on, takes in (and drops) whatever
+    /// the previous thread sends until it is done too, and drops everything.
+    fn work(&mut self, ops: usize) {
+        for _ in 0..ops {
+            self.receive();
+            self.step();
+        }
+        while self.scopes.pop().is_some() {}
+        self.hang_up();
+        for (array, id) in self.inbox.iter() {
+            check(&array, id, "received");
+        }
+        for (array, id) in self.live.drain(..) {
+            check(&array, id, "dropped at the end");
+        }
+    }
+
+    /// Drops the sender to the next thread (for one whose receiver is gone already).
+    fn hang_up(&mut self) {
+        drop(std::mem::replace(&mut self.next, channel().0));
     }
 
     /// Takes in the arrays the previous thread sent: keeps most, drops some at once.

@@ -2023,24 +2023,20 @@ impl DeviceArena {
         let (held, live) = (shadow.held() as u128, shadow.peak().max(1) as u128);
         let most = self.peak_most.max(shadow.peak()).max(1) as u128;
         let margin = ONLINE_MARGIN as u128;
-        let growable = self.plan.as_ref().and_then(|p| p.block).is_some_and(|b| {
+        // The plan's block, when it can grow in place, and whether another stream used it.
+        let block = self.plan.as_ref().and_then(|p| {
             // SAFETY: a plan's block is the cache's until detached, and alive while it is.
-            unsafe { b.as_ref() }.block.is_growable()
+            let growable = unsafe { p.block?.as_ref() }.block.is_growable();
+            growable.then_some((p.block?, p.tainted))
         });
         if shadow.steps() >= ONLINE_AFTER
-            && growable
+            && let Some((arena, tainted)) = block
             && self.high as u128 * live * margin > held * most * (margin + 1)
-            && self.plan.as_ref().is_some_and(|p| p.block.is_some())
         {
             // The block starts at the shadow's size, if larger: grown to it step by step
             // instead, from a smaller plan's block, its ranges came another way and took more
             // (RetinaNet, shuffled: 1.53x of its peak live bytes where the shadow held 1.22x).
             let want = shadow.held();
-            let Some((arena, tainted)) =
-                self.plan.as_ref().and_then(|p| Some((p.block?, p.tainted)))
-            else {
-                return;
-            };
             // SAFETY: a plan's block is the cache's until detached, and alive while it is.
             let bytes = unsafe { arena.as_ref() }.block.bytes();
             // Not past the most the cache has held (arrays apart hold memory beside it).

@@ -2080,7 +2080,7 @@ impl DeviceArena {
         let offset = match gaps.take(rec, size, false) {
             Some(offset) => offset,
             None => {
-                let bytes = gaps.bytes() + online::growth(size, gaps.top_free(), gaps.bytes());
+                let bytes = gaps.bytes() + online::growth(size, gaps.top_free(), gaps.bytes())?;
                 // SAFETY: a plan's block is the cache's until detached, and alive while it is.
                 let block = &unsafe { arena.as_ref() }.block;
                 // Every array in the block is on the step's stream (one used on another makes

@@ -45,11 +45,17 @@ pub(super) const GROWTH_SHARE: usize = 32;
 
 /// The bytes by which a block of `bytes` must grow for an array of `size` bytes at its top,
 /// where `top_free` bytes are free: what they lack, at least a [`GROWTH_SHARE`]th of the
-/// block, in whole granules.
-pub(super) fn growth(size: usize, top_free: usize, bytes: usize) -> usize {
-    size.saturating_sub(top_free)
+/// block, in whole granules. `None` when the block would pass `isize::MAX` bytes, as no
+/// allocation can (nor can its free ranges be counted).
+pub(super) fn growth(size: usize, top_free: usize, bytes: usize) -> Option<usize> {
+    let by = size
+        .saturating_sub(top_free)
         .max(bytes / GROWTH_SHARE)
-        .next_multiple_of(GRANULE)
+        .checked_next_multiple_of(GRANULE)?;
+    bytes
+        .checked_add(by)
+        .filter(|&grown| grown <= isize::MAX as usize)
+        .map(|_| by)
 }
 
 /// Online serving simulated on a scope's steps, one device's: see the module's docs.
@@ -91,7 +97,8 @@ impl Shadow {
     /// Step `step` ended: `record` holds its allocations in order (an array still alive has
     /// the end [`OPEN`]), `earlier` the arrays of earlier steps that dropped in it, as the tick
     /// they dropped at, the step that made them and their aligned bytes. Returns `false` when it
-    /// can no longer name the step's arrays (after four billion allocations): start another.
+    /// can no longer name the step's arrays (after four billion allocations) or its block would
+    /// pass `isize::MAX` bytes: it is to be dropped.
     pub(super) fn step(
         &mut self,
         step: u32,
@@ -133,7 +140,9 @@ impl Shadow {
                 self.give_back(name, bytes);
                 j += 1;
             }
-            self.take(base + k, r.bytes);
+            if !self.take(base + k, r.bytes) {
+                return false;
+            }
         }
         for &(_, name, bytes) in &drops[j..] {
             self.give_back(name, bytes);
@@ -154,24 +163,37 @@ impl Shadow {
     }
 
     /// Array `name` of `size` bytes, made: best fit, the block grown if no range holds it.
-    fn take(&mut self, name: u32, size: usize) {
+    /// Returns `false` when the block would pass `isize::MAX` bytes (requests the device
+    /// refused, of nearly that many bytes, kept in the record).
+    fn take(&mut self, name: u32, size: usize) -> bool {
         if size == 0 {
-            return;
+            return true;
         }
-        self.live += size;
-        self.peak = self.peak.max(self.live);
-        let gaps = self
-            .gaps
-            .get_or_insert_with(|| Gaps::new(growth(size, 0, 0), []));
+        let gaps = match &mut self.gaps {
+            Some(gaps) => gaps,
+            None => match growth(size, 0, 0) {
+                Some(bytes) => self.gaps.insert(Gaps::new(bytes, [])),
+                None => return false,
+            },
+        };
         if gaps.take(name, size, false).is_none() {
-            let bytes = gaps.bytes() + growth(size, gaps.top_free(), gaps.bytes());
-            gaps.grow(bytes);
+            let Some(by) = growth(size, gaps.top_free(), gaps.bytes()) else {
+                return false;
+            };
+            gaps.grow(gaps.bytes() + by);
             let taken = gaps.take(name, size, false);
             debug_assert!(
                 taken.is_some(),
                 "the grown block holds {size} bytes at its top"
             );
+            if taken.is_none() {
+                return false;
+            }
         }
+        // Every array it holds is in its block, of at most `isize::MAX` bytes.
+        self.live += size;
+        self.peak = self.peak.max(self.live);
+        true
     }
 
     /// Array `name` of `size` bytes dropped.
@@ -205,14 +227,18 @@ mod tests {
 
     #[test]
     fn growth_is_what_the_top_range_lacks_in_whole_granules() {
-        assert_eq!(growth(3 * G, 0, 0), 3 * G);
-        assert_eq!(growth(3 * G, 2 * G, 8 * G), GRANULE);
-        assert_eq!(growth(3 * G, 3 * G, 0), 0);
-        assert_eq!(growth(1, 0, 0), GRANULE);
+        assert_eq!(growth(3 * G, 0, 0), Some(3 * G));
+        assert_eq!(growth(3 * G, 2 * G, 8 * G), Some(GRANULE));
+        assert_eq!(growth(3 * G, 3 * G, 0), Some(0));
+        assert_eq!(growth(1, 0, 0), Some(GRANULE));
         // A large block grows by a 32nd of it at least.
-        assert_eq!(growth(1, 0, 640 * G), 20 * G);
-        assert_eq!(growth(30 * G, 0, 640 * G), 30 * G);
-        assert_eq!(growth(30 * G - 1, 0, 0), 30 * G, "whole granules");
+        assert_eq!(growth(1, 0, 640 * G), Some(20 * G));
+        assert_eq!(growth(30 * G, 0, 640 * G), Some(30 * G));
+        assert_eq!(growth(30 * G - 1, 0, 0), Some(30 * G), "whole granules");
+        // Past `isize::MAX` bytes: no growth.
+        assert_eq!(growth(usize::MAX - 1, 0, 0), None);
+        assert_eq!(growth(1 << 62, 0, 1 << 62), None);
+        assert_eq!(growth(1 << 61, 0, 1 << 62), Some(1 << 61));
     }
 
     #[test]
@@ -271,6 +297,24 @@ mod tests {
             s.step(step, &record(&[(1, OPEN)]), &[]);
         }
         assert_eq!(s.held(), held);
+    }
+
+    #[test]
+    fn a_block_past_isize_max_stops_it_without_a_panic() {
+        let mut s = Shadow::default();
+        // Requests of a quarter of the addresses each, refused by any device but kept in the
+        // record: the first kept past its step, the second's block would pass `isize::MAX`.
+        let huge = Rec {
+            bytes: 1 << 62,
+            end: OPEN,
+            planned: 0,
+        };
+        assert!(s.step(0, &[huge], &[]));
+        assert_eq!(s.held(), 1 << 62);
+        assert!(
+            !s.step(1, &[huge], &[]),
+            "the block would pass isize::MAX bytes"
+        );
     }
 
     #[test]

@@ -56,9 +56,9 @@ fn a_spare_serves_its_next_array_through_the_view_it_kept() {
         next.as_mut_slice().unwrap().fill(t + 1000);
         drop(x);
         if let Some((old, w)) = kv.take() {
-            assert!(old.to_vec().unwrap().iter().all(|&e| e == w + 1000));
+            assert!(holds(&old, w + 1000));
         }
-        assert!(next.to_vec().unwrap().iter().all(|&e| e == t + 1000));
+        assert!(holds(&next, t + 1000));
         kv = Some((next, t));
         drop(_scope);
         made.push(views() - before);
@@ -88,7 +88,7 @@ fn serve_step(name: &str, prompt: bool) -> u64 {
     };
     let head = filled(first, 7);
     chain((0..n).map(|i| each + 64 * (i % 3)));
-    assert!(head.to_vec().unwrap().iter().all(|&e| e == 7));
+    assert!(holds(&head, 7));
     drop((head, _scope));
     views() - before
 }
@@ -96,6 +96,11 @@ fn serve_step(name: &str, prompt: bool) -> u64 {
 /// An array of `n` elements, each `v`.
 fn filled(n: usize, v: u32) -> Array<u32> {
     Array::from_slice(Device::Cpu, &vec![v; n], n).unwrap()
+}
+
+/// Whether every element of `a` is `v`.
+fn holds(a: &Array<u32>, v: u32) -> bool {
+    a.to_vec().unwrap().iter().all(|&e| e == v)
 }
 
 /// Arrays of `lens` elements in order, each filled with its index and dropped two allocations
@@ -107,7 +112,7 @@ fn chain(lens: impl IntoIterator<Item = usize>) {
         let a = filled(len, i);
         if chain.len() == 2 {
             let (old, v) = chain.remove(0);
-            assert!(old.to_vec().unwrap().iter().all(|&e| e == v));
+            assert!(holds(&old, v));
         }
         chain.push((a, i));
     }
@@ -330,8 +335,8 @@ fn a_spare_four_times_larger_serves_an_array_below_the_high_water_mark() {
         filled(big / 4, 4)
     };
     assert_eq!(backend.allocs(), allocs, "the spare served it");
-    assert!(a1.to_vec().unwrap().iter().all(|&e| e == 3));
-    assert!(a2.to_vec().unwrap().iter().all(|&e| e == 4));
+    assert!(holds(&a1, 3));
+    assert!(holds(&a2, 4));
     drop((a1, a2));
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
@@ -367,7 +372,7 @@ fn a_step_whose_merged_plan_outgrows_the_block_it_holds_keeps_the_block_with_its
     backend.reset_peak();
     let (held, allocs) = (backend.outstanding_bytes(), backend.allocs());
     step(&s, false);
-    assert!(loss.to_vec().unwrap().iter().all(|&e| e == 9));
+    assert!(holds(&loss, 9));
     drop(loss);
     // One allocation: the last array, apart (the step before kept its position's alive).
     assert_eq!(
@@ -412,14 +417,14 @@ fn a_second_step_unlike_the_first_is_served_from_the_first_plans_block() {
         // Where it made its state: temporaries, alive together.
         let temps: Vec<Array<u32>> = (0..10).map(|k| filled(1024, 20 + k)).collect();
         for (k, t) in temps.iter().enumerate() {
-            assert!(t.to_vec().unwrap().iter().all(|&e| e == 20 + k as u32));
+            assert!(holds(t, 20 + k as u32));
         }
-        assert!(large.to_vec().unwrap().iter().all(|&e| e == 4));
+        assert!(holds(&large, 4));
     }
     // The plan's block, made at the step's first allocation, and nothing else.
     assert_eq!(backend.allocs(), allocs + 1, "served from the block");
     for (k, s) in state.iter().enumerate() {
-        assert!(s.to_vec().unwrap().iter().all(|&e| e == 10 + k as u32));
+        assert!(holds(s, 10 + k as u32));
     }
     drop(state);
     crate::invalidate(name);
@@ -439,7 +444,7 @@ fn a_larger_steps_input_is_served_from_the_plan_scaled() {
         let _scope = crate::enter(name);
         let input = filled(256 * scale, 5);
         chain((0..6).map(|_| 1024 * scale));
-        assert!(input.to_vec().unwrap().iter().all(|&e| e == 5));
+        assert!(holds(&input, 5));
     };
     for _ in 0..3 {
         step(1024);
@@ -478,7 +483,7 @@ fn a_block_outgrown_under_an_array_kept_past_its_step_grows_in_place() {
         let input = filled(2048, 7);
         chain([n, 1024, n, 1024, n]);
         let loss = filled(64, 9);
-        assert!(input.to_vec().unwrap().iter().all(|&e| e == 7));
+        assert!(holds(&input, 7));
         keep.then_some(loss)
     };
     for _ in 0..2 {
@@ -492,7 +497,7 @@ fn a_block_outgrown_under_an_array_kept_past_its_step_grows_in_place() {
     backend.reset_peak();
     let allocs = backend.allocs();
     step(32768, false);
-    assert!(loss.to_vec().unwrap().iter().all(|&e| e == 9));
+    assert!(holds(&loss, 9));
     drop(loss);
     // One allocation: the loss, apart (its position's array, the last loss, was alive).
     assert_eq!(
@@ -538,12 +543,9 @@ fn a_step_switches_to_its_kinds_plan_with_an_earlier_steps_loss_in_the_block() {
         } else {
             lens.map(|len| filled(len, 3)).collect()
         };
-        assert!(
-            all.iter()
-                .all(|a| a.to_vec().unwrap().iter().all(|&e| e == 3))
-        );
+        assert!(all.iter().all(|a| holds(a, 3)));
         let loss = filled(64, v);
-        assert!(input.to_vec().unwrap().iter().all(|&e| e == 7));
+        assert!(holds(&input, 7));
         keep.then_some(loss)
     };
     // A first step of a third kind (a cold start), then the large kind's steps, then the small
@@ -556,7 +558,7 @@ fn a_step_switches_to_its_kinds_plan_with_an_earlier_steps_loss_in_the_block() {
     backend.reset_peak();
     let allocs = backend.allocs();
     step(16384, 3, 2, false);
-    assert!(loss.to_vec().unwrap().iter().all(|&e| e == 1));
+    assert!(holds(&loss, 1));
     drop(loss);
     // Its plan's position over the loss went apart (128 KiB; the step stays on its plan), its
     // one device allocation (when the gaps took every array from their bottom, the kept loss
@@ -743,7 +745,7 @@ fn a_step_that_outgrew_its_plan_then_shrank_follows_it_in_a_new_block() {
         let b = filled(second, 3);
         drop(m);
         chain((0..10).map(|_| map));
-        assert!(b.to_vec().unwrap().iter().all(|&e| e == 3));
+        assert!(holds(&b, 3));
     };
     for _ in 0..3 {
         step(4096, 4096, 40 * 1024);
@@ -829,8 +831,7 @@ fn detector_step(
     chain(std::iter::repeat_n(len, n));
     let second = filled(16 * 1024, v + 1);
     if let Some(last) = last {
-        let ok = |a: &Array<u32>, v: u32| a.to_vec().unwrap().iter().all(|&e| e == v);
-        assert!(ok(&last[0], v - 2) && ok(&last[1], v - 1));
+        assert!(holds(&last[0], v - 2) && holds(&last[1], v - 1));
     }
     if let Some(backend) = refuse {
         backend.fail_nth(1);
@@ -907,11 +908,7 @@ fn masks_step(name: &str, v: u32, last: Option<[Array<u32>; 2]>) -> [Array<u32>;
     chain(std::iter::repeat_n(32 * 1024, 6));
     let masks = [filled(16 * 1024, v), filled(16 * 1024, v)];
     if let Some(last) = last {
-        assert!(
-            last.iter()
-                .flat_map(|m| m.to_vec().unwrap())
-                .all(|e| e == v - 1)
-        );
+        assert!(last.iter().all(|m| holds(m, v - 1)));
     }
     masks
 }
@@ -953,7 +950,7 @@ fn two_grown_images_do_not_scale_a_plan_that_holds_the_rest() {
         let _scope = crate::enter(name);
         let images = [filled(image, 1), filled(image, 2)];
         chain((0..8).map(|_| map));
-        assert!(images[1].to_vec().unwrap().iter().all(|&e| e == 2));
+        assert!(holds(&images[1], 2));
     };
     for _ in 0..3 {
         step(600, 32 * 1024);
@@ -982,7 +979,7 @@ fn a_step_short_of_its_plan_serves_a_larger_position_from_the_block() {
     let step = |first: usize, lens: &[usize]| {
         let _scope = crate::enter(name);
         let first = filled(first, 7);
-        assert!(first.to_vec().unwrap().iter().all(|&e| e == 7));
+        assert!(holds(&first, 7));
         drop(first);
         chain(lens.iter().copied());
     };
@@ -1096,11 +1093,10 @@ fn unrepeated_step(
         filled(1024 + rng.below(16 * 1024) as usize, v + 1),
     ];
     for (i, f) in features.iter().enumerate() {
-        assert!(f.to_vec().unwrap().iter().all(|&e| e == v + i as u32));
+        assert!(holds(f, v + i as u32));
     }
     if let Some(last) = last {
-        let ok = |a: &Array<u32>, v: u32| a.to_vec().unwrap().iter().all(|&e| e == v);
-        assert!(ok(&last[0], v - 4) && ok(&last[1], v - 3));
+        assert!(holds(&last[0], v - 4) && holds(&last[1], v - 3));
     }
     outputs
 }
@@ -1190,7 +1186,7 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
     // An output dropped on another thread: its bytes come back through the return queue.
     if let Some([a, b]) = kept.take() {
         let v = v - 4;
-        assert!(a.to_vec().unwrap().iter().all(|&e| e == v));
+        assert!(holds(&a, v));
         std::thread::spawn(move || drop(a)).join().unwrap();
         kept = Some([filled(1024, v), b]);
     }
@@ -1211,8 +1207,8 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
         let a = filled(40 * 1024, 7);
         crate::empty_cache();
         let b = filled(30 * 1024, 8);
-        assert!(a.to_vec().unwrap().iter().all(|&e| e == 7));
-        assert!(b.to_vec().unwrap().iter().all(|&e| e == 8));
+        assert!(holds(&a, 7));
+        assert!(holds(&b, 8));
     }
     for _ in 0..8 {
         step(&mut kept, &mut rng, &mut v);
@@ -1252,7 +1248,7 @@ fn random_programs_served_online_keep_every_value() {
             (filled(n, *v), *v)
         };
         let check = |(a, v): (Array<u32>, u32)| {
-            assert!(a.to_vec().unwrap().iter().all(|&e| e == v), "array {v}");
+            assert!(holds(&a, v), "array {v}");
         };
         for _ in 0..40 {
             let online = online_steps() > online0;

@@ -210,9 +210,10 @@
 //! at its offset the first time it is served: a switch moves only the views in use, with no
 //! search or sort over the loose ones.
 //! Loose views are kept several to an offset, up to twice as many as the plan and its shelved
-//! plans have positions, so that plans taking turns on the block (a server's prompts and
-//! decoding steps) keep each other's views, and steps served from the gaps find views at the
-//! offsets earlier such steps used. Idle views are no array's: they are not counted, and they
+//! plans have positions when a step ends, so that plans taking turns on the block (a server's
+//! prompts and decoding steps) keep each other's views, and steps served from the gaps find views
+//! at the offsets earlier such steps used; past that, those parked the most steps ago go first
+//! (the `loose` module). Idle views are no array's: they are not counted, and they
 //! are dropped before the block leaves the plan.
 //!
 //! Views are counted with a biased count, so that a plan hit and a drop on the owner thread touch
@@ -277,14 +278,13 @@ pub(super) mod block;
 pub(super) mod device;
 pub(super) mod gaps;
 pub(super) mod layout;
+pub(super) mod loose;
 pub(super) mod online;
 
 use std::cell::Cell;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::*;
-
-use hashbrown::HashMap;
 
 use super::counters::{Counters, GaugeIx, add, sub};
 use super::state::{CacheState, ConfigSeq};
@@ -297,9 +297,10 @@ use block::{
     ArenaBlock, BlockPtr, GAP_BASE, NO_POSITION, RETURNED_PLAN, RETURNED_SOLO, VIEW_BASE, aligned,
     is_arena_slot, view_size,
 };
-use device::{Awaiting, DeviceArena, Held, LooseAt, Pin, Plan, Shelved, Tally};
+use device::{Awaiting, DeviceArena, Held, Pin, Plan, Shelved, Tally};
 use gaps::Gaps;
 use layout::{Layout, MAX_POSITIONS, NONE, OPEN, Rec, Serve};
+use loose::{Loose, drop_views};
 use online::MAX_ONLINE_PINS;
 
 /// The most small spares a device's planned cache keeps (see
@@ -446,10 +447,8 @@ impl Plan {
             tainted: false,
             gaps: None,
             tail: None,
-            loose_cap,
             views,
-            loose: HashMap::new(),
-            loose_len: 0,
+            loose: Loose::new(loose_cap),
             pins: Vec::new(),
             around_pins: false,
         }
@@ -527,7 +526,7 @@ impl Plan {
         for k in 0..self.views.len() {
             if let Some(view) = self.views[k].take() {
                 let offset = self.layout.range(k as u32).start;
-                self.park(offset, view);
+                self.loose.park(offset, view);
             }
         }
     }
@@ -544,48 +543,15 @@ impl Plan {
     /// Takes the loose views out of the plan (after [`Plan::loosen_views`], every idle view),
     /// for a plan made again on the same block ([`Plan::adopt_loose`]).
     fn take_loose(&mut self) -> Loose {
-        Loose {
-            at: std::mem::take(&mut self.loose),
-            len: std::mem::take(&mut self.loose_len),
-        }
+        std::mem::take(&mut self.loose)
     }
 
     /// Keeps `loose`, idle views of this plan's block that [`Plan::take_loose`] took out of the
-    /// plan it replaces, within `loose_cap`.
-    fn adopt_loose(&mut self, loose: Loose) {
-        debug_assert!(self.loose_len == 0);
-        self.loose = loose.at;
-        self.loose_len = loose.len;
-        self.trim_loose();
-    }
-
-    /// Drops loose views past `loose_cap` (after the cap went down with a new layout).
-    fn trim_loose(&mut self) {
-        if self.loose_len <= self.loose_cap {
-            return;
-        }
-        let mut excess = self.loose_len - self.loose_cap;
-        self.loose.retain(|_, at| {
-            while excess > 0
-                && let Some(view) = at.pop()
-            {
-                excess -= 1;
-                drop_views([view]);
-            }
-            !at.is_empty()
-        });
-        self.loose_len = self.loose_cap;
-    }
-
-    /// Keeps `view`, idle at `offset` of the block, loose (dropped when `loose_cap` views
-    /// are).
-    fn park(&mut self, offset: usize, view: Block) {
-        if self.loose_len < self.loose_cap {
-            self.loose.entry(offset).or_default().push(view);
-            self.loose_len += 1;
-        } else {
-            drop_views([view]);
-        }
+    /// plan it replaces, within this plan's cap.
+    fn adopt_loose(&mut self, mut loose: Loose) {
+        debug_assert!(self.loose.len() == 0);
+        loose.set_cap(self.loose.cap());
+        self.loose = loose;
     }
 
     /// The size of the plan's block (0 before it is made).
@@ -599,8 +565,7 @@ impl Plan {
     /// kept for positions (they must not outlive the block).
     fn take_block(&mut self) -> Option<(BlockPtr, usize)> {
         drop_views(self.views.iter_mut().filter_map(Option::take));
-        drop_views(self.loose.drain().flat_map(|(_, at)| at));
-        self.loose_len = 0;
+        drop_views(self.loose.drain());
         // The arrays pinned in the block, or served from its tail, are the block's (retired
         // under them, if alive).
         self.pins.clear();
@@ -636,8 +601,7 @@ impl Plan {
         offset: usize,
         (bytes, size): (usize, usize),
     ) -> Result<Block> {
-        let loose = (&mut self.loose, &mut self.loose_len);
-        let view = idle_or_new_view(kept, loose, arena, offset, bytes)?;
+        let view = idle_or_new_view(kept, &mut self.loose, arena, offset, bytes)?;
         Ok(counted(
             &mut self.in_use,
             st,
@@ -797,28 +761,6 @@ fn loose_cap(layout: &Layout, shelf: &[Shelved]) -> usize {
 /// No view kept for any of `layout`'s positions.
 fn no_views(layout: &Layout) -> Vec<Option<Block>> {
     std::iter::repeat_with(|| None).take(layout.len()).collect()
-}
-
-/// The loose views taken out of a plan ([`Plan::take_loose`]), and how many.
-struct Loose {
-    at: HashMap<usize, LooseAt>,
-    len: usize,
-}
-
-impl Loose {
-    /// Drops them (before their block leaves the plan).
-    fn drop_all(self) {
-        drop_views(self.at.into_values().flatten());
-    }
-}
-
-/// Drops idle views.
-fn drop_views(views: impl IntoIterator<Item = Block>) {
-    for view in views {
-        // SAFETY: a kept view was made by `Block::view`, is no array's, and its block is alive
-        // (kept views are dropped before their block leaves the plan).
-        unsafe { view.drop_view() };
-    }
 }
 
 impl Held {
@@ -986,23 +928,6 @@ fn settle_record(record: &mut Vec<Rec>, tick: u32, layout: &Layout) {
     }
 }
 
-/// The loose views of a plan's block (by offset), and how many there are.
-type LooseViews<'a> = (&'a mut HashMap<usize, LooseAt>, &'a mut usize);
-
-/// A loose view at `offset`, if one is idle there.
-fn unpark((loose, len): LooseViews<'_>, offset: usize) -> Option<Block> {
-    if *len == 0 {
-        return None;
-    }
-    let at = loose.get_mut(&offset)?;
-    let view = at.pop();
-    if at.is_empty() {
-        loose.remove(&offset);
-    }
-    *len -= usize::from(view.is_some());
-    view
-}
-
 /// A view at `offset` of the plan's block `arena` that reaches `bytes` bytes from there: `kept`
 /// (an idle view made at that offset), else a loose one there, else a new one. A view spans
 /// from its offset to the end of the block, so that it serves any array there later: a cudarc
@@ -1017,12 +942,12 @@ fn unpark((loose, len): LooseViews<'_>, offset: usize) -> Option<Block> {
 #[inline(never)]
 fn idle_or_new_view(
     kept: Option<Block>,
-    loose: LooseViews<'_>,
+    loose: &mut Loose,
     arena: BlockPtr,
     offset: usize,
     bytes: usize,
 ) -> Result<Block> {
-    match kept.or_else(|| unpark(loose, offset)) {
+    match kept.or_else(|| loose.unpark(offset)) {
         Some(view) if view.spans(bytes) => Ok(view),
         short => {
             drop_views(short);
@@ -1051,7 +976,7 @@ fn idle_or_new_view(
 #[inline(always)]
 fn kept_view(
     views: &mut [Option<Block>],
-    loose: LooseViews<'_>,
+    loose: &mut Loose,
     in_use: &mut usize,
     (st, g): (&Counters, GaugeIx),
     arena: BlockPtr,
@@ -1597,8 +1522,7 @@ impl DeviceArena {
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
-        plan.loose_cap = loose_cap(&plan.layout, &self.shelf);
-        plan.trim_loose();
+        plan.loose.set_cap(loose_cap(&plan.layout, &self.shelf));
         if plan.block.is_some() {
             // No array but the pins uses the block: what else is still counted in use was
             // dropped on other threads, and its bytes may be handed out again, so they are
@@ -2359,6 +2283,7 @@ impl DeviceArena {
         self.record.clear();
         if let Some(plan) = &mut self.plan {
             plan.layout.forget_growth();
+            plan.loose.age();
         }
         self.tick = 0;
         self.diverged = false;
@@ -2780,7 +2705,7 @@ impl CacheState {
             settle_record(&mut a.record, rec, &plan.layout);
         }
         let (views, in_use) = (&mut plan.views, &mut plan.in_use);
-        let loose = (&mut plan.loose, &mut plan.loose_len);
+        let loose = &mut plan.loose;
         let gauge = a.gauge;
         let (view, pos) = plan.layout.hit(
             size,
@@ -3173,7 +3098,7 @@ impl CacheState {
                                 gaps.free(range.clone());
                             }
                             if let Some(view) = view.take() {
-                                plan.park(range.start, view);
+                                plan.loose.park(range.start, view);
                             }
                         }
                         NONE
@@ -3187,7 +3112,7 @@ impl CacheState {
                         } else if let Some(offset) = plan.give_back(rec, size)
                             && let Some(view) = view.take()
                         {
-                            plan.park(offset, view);
+                            plan.loose.park(offset, view);
                         }
                         rec
                     } else if tainted {
@@ -3200,7 +3125,7 @@ impl CacheState {
                             let range = plan.layout.range(pos);
                             gaps.free(range.clone());
                             if let Some(view) = view.take() {
-                                plan.park(range.start, view);
+                                plan.loose.park(range.start, view);
                             }
                         } else if let Some(kept) = plan.views.get_mut(pos as usize) {
                             // Kept for the position's next array.

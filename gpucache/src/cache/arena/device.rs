@@ -5,12 +5,10 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use hashbrown::HashMap;
-use smallvec::SmallVec;
-
 use super::block::BlockPtr;
 use super::gaps::Gaps;
 use super::layout::{Layout, Rec};
+use super::loose::Loose;
 use super::online::Shadow;
 use crate::Device;
 use crate::backend::Block;
@@ -44,13 +42,10 @@ pub(in crate::cache) struct Plan {
     /// Idle views at offsets that are no position's, or dropped in a step that left the plan:
     /// by offset, for the arrays the block's gaps (or the next layout's positions) put there.
     /// Several at one offset: the positions of a plan that share an offset at different times
-    /// each had one, and a shelved plan switched in again finds them all.
-    pub(super) loose: HashMap<usize, LooseAt>,
-    /// The views in `loose`.
-    pub(super) loose_len: usize,
-    /// The most views `loose` keeps: twice the positions of this plan and of the shelved ones,
-    /// which share the block (at least 128).
-    pub(super) loose_cap: usize,
+    /// each had one, and a shelved plan switched in again finds them all. At most twice the
+    /// positions of this plan and of the shelved ones, which share the block (at least 128),
+    /// when a step ends.
+    pub(super) loose: Loose,
     /// Arrays of the block made before the plan, still alive (a few small ones: a training
     /// loop's loss, kept until the next step's replaces it): the plan's positions are placed
     /// around them, and their bytes are free once they drop.
@@ -72,10 +67,6 @@ pub(in crate::cache) struct Pin {
     /// Its aligned bytes in the block.
     pub(super) range: std::ops::Range<usize>,
 }
-
-/// The loose views at one offset: mostly one (no allocation for it), several where positions of
-/// the plans that take turns on the block share the offset.
-pub(super) type LooseAt = SmallVec<[Block; 1]>;
 
 /// A plan of another kind of step than the current plan's, kept (without a block: the current
 /// plan's serves whichever layout is in use) for when such a step comes again.

@@ -711,22 +711,37 @@ impl Plan {
         }
     }
 
-    /// A view for allocation `rec`'s array of `bytes` bytes (`size` aligned) at `offset` of the
-    /// block `arena`, handed out by the gaps or the tail: the idle view there, else a new one.
-    /// Should that fail, the range goes back.
-    fn handed_view(
+    /// What allocation `rec` of step `step` gets for its array of `bytes` bytes (`size`
+    /// aligned) at `offset` of the block `arena`, handed out by the gaps or the tail: a hit, the
+    /// idle view there (else a new one), with its home a gap slot. Should the view fail, the
+    /// range goes back.
+    fn hand_out(
         &mut self,
-        st: &Counters,
-        g: GaugeIx,
+        (st, g): (&Counters, GaugeIx),
         arena: BlockPtr,
         (rec, offset): (u32, usize),
         (bytes, size): (usize, usize),
-    ) -> Result<Block> {
-        let view = self.counted_view(None, (st, g), arena, offset, (bytes, size));
-        if view.is_err() {
-            self.give_back(rec, size);
+        step: u32,
+    ) -> Planned {
+        match self.counted_view(None, (st, g), arena, offset, (bytes, size)) {
+            Ok(view) => {
+                add(&st.hits, 1);
+                Planned::View(view, gap_slot(rec), step)
+            }
+            Err(e) => {
+                self.give_back(rec, size);
+                Planned::Failed(e)
+            }
         }
-        view
+    }
+
+    /// Whether the plan's block can grow in place now, under the arrays alive in it: the
+    /// backend can grow it, no view of it was used on another stream (every array in it is on
+    /// the step's stream), and the thread captures no step graph.
+    fn grows_now(&self) -> bool {
+        // SAFETY: a plan's block is the cache's until detached, and alive while it is.
+        let growable = |b: BlockPtr| unsafe { b.as_ref() }.block.is_growable();
+        !self.tainted && !capturing() && self.block.is_some_and(growable)
     }
 
     /// The array of allocation `rec` (`size` aligned bytes), handed out by the gaps or the
@@ -1036,18 +1051,6 @@ fn view_slot(pos: u32) -> u32 {
 #[inline]
 fn gap_slot(rec: u32) -> u32 {
     VIEW_BASE + GAP_BASE + rec
-}
-
-/// What allocation `rec` of step `step` gets from a view the gaps or the tail handed out: a
-/// hit, with its home a gap slot.
-fn handed(st: &Counters, view: Result<Block>, rec: u32, step: u32) -> Planned {
-    match view {
-        Ok(view) => {
-            add(&st.hits, 1);
-            Planned::View(view, gap_slot(rec), step)
-        }
-        Err(e) => Planned::Failed(e),
-    }
 }
 
 impl DeviceArena {
@@ -1720,15 +1723,11 @@ impl DeviceArena {
         let Some(bytes) = plan.layout.scale_around(&self.record, pos, &pinned) else {
             return false;
         };
-        if bytes > plan.block_bytes() {
-            // SAFETY: a plan's block is the cache's until detached, and alive while it is.
-            let growable = unsafe { arena.as_ref() }.block.is_growable() && !capturing();
-            if !growable || !self.grow_block(st, arena, bytes) {
-                if let Some(plan) = &mut self.plan {
-                    plan.layout.unscale_around();
-                }
-                return false;
+        if bytes > plan.block_bytes() && (!plan.grows_now() || !self.grow_block(st, arena, bytes)) {
+            if let Some(plan) = &mut self.plan {
+                plan.layout.unscale_around();
             }
+            return false;
         }
         true
     }
@@ -1947,14 +1946,14 @@ impl DeviceArena {
         let (held, live) = (shadow.held() as u128, shadow.peak().max(1) as u128);
         let most = self.peak_most.max(shadow.peak()).max(1) as u128;
         let margin = ONLINE_MARGIN as u128;
-        // The plan's block, when it can grow in place, and whether another stream used it.
+        // The plan's block, when its backend can grow it, and whether it can grow now.
         let block = self.plan.as_ref().and_then(|p| {
             // SAFETY: a plan's block is the cache's until detached, and alive while it is.
             let growable = unsafe { p.block?.as_ref() }.block.is_growable();
-            growable.then_some((p.block?, p.tainted))
+            growable.then_some((p.block?, p.grows_now()))
         });
         if shadow.steps() >= ONLINE_AFTER
-            && let Some((arena, tainted)) = block
+            && let Some((arena, grows_now)) = block
             && self.high as u128 * live * margin > held * most * (margin + 1)
         {
             // The block starts at the shadow's size, if larger: grown to it step by step
@@ -1965,8 +1964,7 @@ impl DeviceArena {
             let bytes = unsafe { arena.as_ref() }.block.bytes();
             // Not past the most the cache has held (arrays apart hold memory beside it).
             let past = self.held(st) + want.saturating_sub(bytes) > self.high;
-            if bytes < want && (tainted || capturing() || past || !self.grow_block(st, arena, want))
-            {
+            if bytes < want && (!grows_now || past || !self.grow_block(st, arena, want)) {
                 return;
             }
             self.online = true;
@@ -2005,26 +2003,27 @@ impl DeviceArena {
             Some(offset) => offset,
             None => {
                 let bytes = gaps.bytes() + online::growth(size, gaps.top_free(), gaps.bytes())?;
+                // The backend maps the new bytes after the block's end: the arrays' views stay
+                // valid.
+                if !plan.grows_now() || !self.grow_block(st, arena, bytes) {
+                    return None;
+                }
                 // SAFETY: a plan's block is the cache's until detached, and alive while it is.
-                let block = &unsafe { arena.as_ref() }.block;
-                // Every array in the block is on the step's stream (one used on another makes
-                // the block `tainted`), and the backend maps the new bytes after its end: the
-                // arrays' views stay valid.
-                if plan.tainted || capturing() || !block.is_growable() {
-                    return None;
-                }
-                if !self.grow_block(st, arena, bytes) {
-                    return None;
-                }
-                let grown = block.bytes();
+                let grown = unsafe { arena.as_ref() }.block.bytes();
                 let gaps = self.plan.as_mut()?.gaps.as_mut()?;
                 gaps.grow(grown);
                 gaps.take(rec, size, false)?
             }
         };
         let plan = self.plan.as_mut()?;
-        let view = plan.handed_view(st, self.gauge, arena, (rec, offset), (req.bytes, size));
-        Some(handed(st, view, rec, self.step))
+        let step = self.step;
+        Some(plan.hand_out(
+            (st, self.gauge),
+            arena,
+            (rec, offset),
+            (req.bytes, size),
+            step,
+        ))
     }
 
     /// Drops the plan (its block detached). Returns whether the block was retired.
@@ -2645,8 +2644,8 @@ impl CacheState {
             self.live += usize::from(a.release_unused_block(st));
             return None;
         };
-        let view = plan.handed_view(st, a.gauge, arena, (rec, offset), (req.bytes, size));
-        Some(handed(st, view, rec, a.step))
+        let step = a.step;
+        Some(plan.hand_out((st, a.gauge), arena, (rec, offset), (req.bytes, size), step))
     }
 
     /// Allocation `rec` of `size` aligned bytes, which device `i`'s plan serves apart in a step
@@ -2675,8 +2674,8 @@ impl CacheState {
             Ok(offset) => offset?,
             Err(e) => return Some(Planned::Failed(e)),
         };
-        let view = plan.handed_view(st, a.gauge, arena, (rec, offset), (req.bytes, size));
-        Some(handed(st, view, rec, a.step))
+        let step = a.step;
+        Some(plan.hand_out((st, a.gauge), arena, (rec, offset), (req.bytes, size), step))
     }
 
     /// The hit path of a planned cache: the next position of the plan, when it is the plain

@@ -462,7 +462,7 @@ impl Plan {
     fn holds_only_pins(&self) -> bool {
         !self.tainted
             && self.layout.live_ranges().next().is_none()
-            && self.handed_out().is_empty()
+            && self.out() == 0
             && self.block.is_some_and(|b| {
                 // SAFETY: the plan's block is the cache's, alive until the lock holder detaches
                 // it.
@@ -647,7 +647,7 @@ impl Plan {
             let handed = tail
                 .iter()
                 .flat_map(|t| t.handed_out())
-                .map(|&(rec, offset)| {
+                .map(|(rec, offset)| {
                     offset..offset + record.get(rec as usize).map_or(bytes, |r| r.bytes)
                 });
             let pinned = self.pins.iter().map(|p| p.range.clone());
@@ -754,12 +754,19 @@ impl Plan {
         }
     }
 
+    /// The gaps, else the tail: what hands out ranges this step.
+    fn handing_out(&self) -> Option<&Gaps> {
+        self.gaps.as_ref().or(self.tail.as_ref())
+    }
+
     /// The ranges the gaps or the tail handed out and not given back, with their allocations.
-    fn handed_out(&self) -> &[(u32, usize)] {
-        self.gaps
-            .as_ref()
-            .or(self.tail.as_ref())
-            .map_or(&[][..], Gaps::handed_out)
+    fn handed_out(&self) -> impl Iterator<Item = (u32, usize)> + '_ {
+        self.handing_out().into_iter().flat_map(Gaps::handed_out)
+    }
+
+    /// How many ranges the gaps or the tail handed out and not given back.
+    fn out(&self) -> usize {
+        self.handing_out().map_or(0, Gaps::out)
     }
 }
 
@@ -1711,7 +1718,7 @@ impl DeviceArena {
         let Some(arena) = plan.block else {
             return false;
         };
-        if plan.tainted || plan.gaps.is_some() || !plan.handed_out().is_empty() {
+        if plan.tainted || plan.gaps.is_some() || plan.out() != 0 {
             return false;
         }
         let pinned: Vec<std::ops::Range<usize>> =
@@ -1844,17 +1851,16 @@ impl DeviceArena {
         if plan.tainted || views > most {
             return None;
         }
-        let handed = plan.handed_out();
         let positions = plan.layout.alive_at_end()?;
         // Every view alive is a pin, a position or a range handed out from the gaps or the tail
         // (each may count one dropped on another thread: then the numbers differ).
-        if handed.len() + positions.len() + plan.pins.len() != views {
+        if plan.out() + positions.len() + plan.pins.len() != views {
             return None;
         }
         let mut pins = plan.pins.clone();
-        let served = handed
-            .iter()
-            .map(|&(rec, offset)| (gap_slot(rec), rec, offset));
+        let served = plan
+            .handed_out()
+            .map(|(rec, offset)| (gap_slot(rec), rec, offset));
         let placed = positions
             .into_iter()
             .map(|(pos, rec, range)| (view_slot(pos), rec, range.start));
@@ -2084,7 +2090,7 @@ impl DeviceArena {
         // so that they are pinned in the block (or it leaves the plan, retired under them).
         // With none alive, the tail closes with the step.
         let tail_alive = self.plan.as_mut().is_some_and(|p| {
-            let alive = p.tail.as_ref().is_some_and(|t| !t.handed_out().is_empty());
+            let alive = p.tail.as_ref().is_some_and(|t| t.out() != 0);
             if !alive {
                 p.tail = None;
             }

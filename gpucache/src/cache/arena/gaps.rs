@@ -42,7 +42,8 @@ pub(super) struct Gaps {
     /// The ranges handed out, by the index in the step's record of their allocation: the offset
     /// of allocation `first + k` at `k`, [`NOT_OUT`] where there is none (an allocation served
     /// another way, or its range given back). Indices only grow, so this is a window from the
-    /// oldest range still out to the newest: a range is found and given back in O(1). (A sorted
+    /// oldest range still out to the newest (a step's gaps last the step; the shadow lets go of
+    /// arrays named too long ago): a range is found and given back in O(1). (A sorted
     /// list's binary search took 6% of the host time of GPT-2 trained on varying lengths, served
     /// online: BENCHMARKS.md.)
     taken: VecDeque<usize>,

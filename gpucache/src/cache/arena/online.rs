@@ -38,6 +38,12 @@ pub(super) const MAX_ONLINE_PINS: usize = 256;
 /// not see it (on another thread) would otherwise stay in it for good.
 const MAX_SHADOW_KEPT: usize = 4 * MAX_ONLINE_PINS;
 
+/// An array kept across steps whose name came this many names before the next step's first is
+/// let go by the shadow (as when it keeps too many): the gaps keep the ranges out in a window of
+/// names from the oldest still out, which an array kept for good would otherwise widen by every
+/// step's allocations (a million a step, at most, for sixteen steps).
+const MAX_SHADOW_SPAN: u32 = if cfg!(test) { 4096 } else { 1 << 20 };
+
 /// A block grows by at least this fraction of its bytes, so that arrays that grow a little
 /// every step (a decoder's cache of keys and values, a token longer) grow it rarely: each
 /// growth maps memory (tens of microseconds on CUDA).
@@ -153,11 +159,17 @@ impl Shadow {
                 self.kept.push((step, r.bytes, base + k));
             }
         }
-        if self.kept.len() > MAX_SHADOW_KEPT {
-            let gone: Vec<_> = self.kept.drain(..MAX_SHADOW_KEPT / 2).collect();
-            for (_, bytes, name) in gone {
-                self.give_back(name, bytes);
-            }
+        // Too many kept: the older half goes; and any named too long ago.
+        let oldest = self.next.saturating_sub(MAX_SHADOW_SPAN);
+        let old = self.kept.iter().take_while(|k| k.2 < oldest).count();
+        let n = if self.kept.len() > MAX_SHADOW_KEPT {
+            old.max(MAX_SHADOW_KEPT / 2)
+        } else {
+            old
+        };
+        let gone: Vec<_> = self.kept.drain(..n).collect();
+        for (_, bytes, name) in gone {
+            self.give_back(name, bytes);
         }
         true
     }
@@ -297,6 +309,20 @@ mod tests {
             s.step(step, &record(&[(1, OPEN)]), &[]);
         }
         assert_eq!(s.held(), held);
+    }
+
+    #[test]
+    fn an_array_kept_many_names_ago_is_let_go() {
+        let mut s = Shadow::default();
+        s.step(0, &record(&[(1, OPEN)]), &[]);
+        // Steps of 2500 arrays each, none kept.
+        let churn: Vec<(usize, u32)> = (0..2500).map(|k| (1, k + 1)).collect();
+        s.step(1, &record(&churn), &[]);
+        assert_eq!(s.kept.len(), 1, "2501 names later, still kept");
+        s.step(2, &record(&churn), &[]);
+        assert!(s.kept.is_empty(), "5001 names later, let go");
+        // Its range is free again: no range is out.
+        assert_eq!(s.gaps.as_ref().map(Gaps::out), Some(0));
     }
 
     #[test]

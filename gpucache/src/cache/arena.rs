@@ -2008,7 +2008,7 @@ impl DeviceArena {
         let offset = match gaps.take(rec, size, false) {
             Some(offset) => offset,
             None => {
-                let bytes = gaps.bytes() + online::growth(size, gaps.top_free(), gaps.bytes())?;
+                let bytes = online::grown_for(gaps, size)?;
                 // The backend maps the new bytes after the block's end: the arrays' views stay
                 // valid.
                 if !plan.grows_now() || !self.grow_block(st, arena, bytes) {

@@ -64,12 +64,20 @@ pub(super) fn growth(size: usize, top_free: usize, bytes: usize) -> Option<usize
         .map(|_| by)
 }
 
+/// The bytes the block of `gaps` grows to for an array of `size` bytes that no free range
+/// holds ([`growth`]: at most `isize::MAX`, so the sum cannot overflow).
+pub(super) fn grown_for(gaps: &Gaps, size: usize) -> Option<usize> {
+    let bytes = gaps.bytes();
+    growth(size, gaps.top_free(), bytes).map(|by| bytes + by)
+}
+
 /// Online serving simulated on a scope's steps, one device's: see the module's docs.
 #[derive(Default)]
 pub(in crate::cache) struct Shadow {
     /// The simulated block's free ranges (none before its first array).
     gaps: Option<Gaps>,
-    /// The name of the next array (names only grow: [`Gaps`] keeps its ranges sorted by them).
+    /// The name of the next array (names only grow: [`Gaps`] keeps the ranges out in a window
+    /// of them).
     next: u32,
     /// The arrays alive at the end of their step, the oldest first: the step that made them,
     /// their aligned bytes and their name.
@@ -189,10 +197,10 @@ impl Shadow {
             },
         };
         if gaps.take(name, size, false).is_none() {
-            let Some(by) = growth(size, gaps.top_free(), gaps.bytes()) else {
+            let Some(bytes) = grown_for(gaps, size) else {
                 return false;
             };
-            gaps.grow(gaps.bytes() + by);
+            gaps.grow(bytes);
             let taken = gaps.take(name, size, false);
             debug_assert!(
                 taken.is_some(),

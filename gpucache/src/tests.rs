@@ -2,7 +2,7 @@
 //! make.
 
 use crate::backend::VIEWS_MADE;
-use crate::cache::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST};
+use crate::cache::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, TINY_MADE};
 use std::sync::Arc;
 
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
@@ -1214,6 +1214,87 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
         step(&mut kept, &mut rng, &mut v);
     }
     drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// Online, a step's small arrays (a detector's scores, indices, sizes: at most a KiB) get blocks
+/// of their own, never bytes of the online block, and a block comes back for the next small
+/// array when its array drops, in its step, in the next (kept as an output), or on another
+/// thread. So once the first online steps have made as many blocks as small arrays are alive
+/// at once, the steps make no more; every value is what was written; capped cached bytes evict
+/// them; and `invalidate` gives every byte back.
+#[test]
+fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
+    let name = "unit-online-tiny";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    let mut rng = Xorshift(0x6a09_e667_f3bc_c909);
+    let mut kept = None;
+    let mut v = 4;
+    let online0 = online_steps();
+    while online_steps() == online0 {
+        kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
+        v += 4;
+        assert!(v < 4 * 60, "the scope never went online");
+    }
+    let tiny = || TINY_MADE.with(std::cell::Cell::get);
+    let (tiny0, mut outputs) = (tiny(), Vec::new());
+    let mut made = Vec::new();
+    for step in 0..12u32 {
+        let before = tiny();
+        {
+            let _scope = crate::enter(name);
+            kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
+            // Eight small arrays (1 to 256 elements), three of them kept into the next step.
+            let small: Vec<_> = (0..8)
+                .map(|k| filled(1 + rng.below(256) as usize, 10_000 + 8 * step + k))
+                .collect();
+            for (old, w) in outputs.drain(..) {
+                if w % 2 == 0 {
+                    assert!(holds(&old, w));
+                } else {
+                    std::thread::spawn(move || assert!(holds(&old, w)))
+                        .join()
+                        .unwrap();
+                }
+            }
+            for (k, a) in small.into_iter().enumerate() {
+                let w = 10_000 + 8 * step + k as u32;
+                assert!(holds(&a, w), "small array {w}");
+                if k < 3 {
+                    outputs.push((a, w));
+                }
+            }
+        }
+        v += 4;
+        made.push(tiny() - before);
+    }
+    assert!(tiny() > tiny0, "no small array got a block of its own");
+    assert!(
+        made[3..].iter().all(|&n| n == 0),
+        "blocks made for small arrays per step: {made:?}"
+    );
+    assert!(
+        tiny() - tiny0 <= 11,
+        "{} blocks for 11 alive at once",
+        tiny() - tiny0
+    );
+    // Capped, the cache keeps no more than the cap of them.
+    let s = crate::stats(name);
+    assert!(s.bytes_cached >= 1024, "{s}");
+    let evictions = s.evictions;
+    crate::configure(
+        name,
+        CacheConfig {
+            key: KeyPolicy::Planned,
+            max_cached_bytes: Some(0),
+            ..CacheConfig::default()
+        },
+    );
+    let s = crate::stats(name);
+    assert!(s.evictions > evictions, "{s}");
+    drop((kept, outputs));
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }

@@ -163,6 +163,17 @@ pub(in crate::cache) struct DeviceArena {
     /// ([`DeviceArena::remove_spare`]), so that no block made later at its address is taken for
     /// it.
     pub(super) step_spares: Vec<u64>,
+    /// Online, the blocks of the steps' small arrays (at most [`SMALL`](super::layout::SMALL)
+    /// bytes: a scalar, a few indices) that no array uses, the newest last: once
+    /// [`DeviceArena::tiny_apart`], such an array gets a block of its own, of those bytes, never
+    /// bytes of the online block, and its block comes back here when it drops, for the next.
+    /// Counted as cached; freed when the cache gives its blocks back, and when its steps leave
+    /// the online tier.
+    pub(super) tiny: Vec<Held>,
+    /// Online, small arrays get blocks of their own ([`DeviceArena::tiny`]): set when the online
+    /// block grows while small arrays kept from earlier steps are in it, until the steps leave
+    /// the online tier or the cache gives its blocks back.
+    pub(super) tiny_apart: bool,
     /// The plan's block, given up while no array used it and no stream's work on it was
     /// pending (the step left its plan, or outgrew it, or a larger plan was made or switched
     /// in), when its backend can grow it in place, with the step it was given up in: the next

@@ -1300,8 +1300,8 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
 }
 
 /// Random programs of steps that never come again, served online once the shadow says so:
-/// arrays kept across steps (one to three, dropped early or late in the next step, or on another
-/// thread), and, once the scope is online, `invalidate` or `empty_cache` in the middle of some
+/// arrays kept across steps (one to three, a third of them small, dropped early or late in the
+/// next step, or on another thread), and, once the scope is online, `invalidate` or `empty_cache` in the middle of some
 /// steps with arrays alive. Every array holds what was written when it drops, after every step
 /// the cache accounts for every byte the device holds for it, and every byte goes back at the
 /// end.
@@ -1311,6 +1311,7 @@ fn random_programs_served_online_keep_every_value() {
     backend.set_growable(true);
     let mut went_online = 0;
     let mut cut_online = 0;
+    let tiny0 = TINY_MADE.with(std::cell::Cell::get);
     for seed in 1..=6u64 {
         let name = format!("unit-online-random-{seed}");
         crate::configure(
@@ -1383,16 +1384,28 @@ fn random_programs_served_online_keep_every_value() {
     }
     assert!(went_online >= 3, "{went_online} of 6 programs went online");
     assert!(cut_online > 0, "no step served online was cut");
+    assert!(
+        TINY_MADE.with(std::cell::Cell::get) > tiny0,
+        "no small array got a block of its own"
+    );
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
-/// One to three arrays made at the end of a step, to be kept into the next.
+/// One to three arrays made at the end of a step, to be kept into the next: a third of them
+/// small (at most 1 KiB, a detector's scores and indices).
 fn kept_later(
     rng: &mut Xorshift,
     next: &mut impl FnMut(usize, &mut u32) -> (Array<u32>, u32),
     v: &mut u32,
 ) -> Vec<(Array<u32>, u32)> {
     (0..1 + rng.below(3))
-        .map(|_| next(256 + rng.below(16 * 1024) as usize, v))
+        .map(|_| {
+            let n = if rng.below(3) == 0 {
+                1 + rng.below(256)
+            } else {
+                256 + rng.below(16 * 1024)
+            };
+            next(n as usize, v)
+        })
         .collect()
 }

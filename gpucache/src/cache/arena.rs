@@ -2580,13 +2580,7 @@ impl CacheState {
         }
         let a = &mut self.arenas.devices[i];
         if let Some(held) = a.take_spare(st, size, capacity, expected, apart) {
-            add(&st.hits, 1);
-            return match held {
-                Held::Viewed { arena, view } if view.on_current_stream() => {
-                    self.reissue(arena, view, req, i, pos)
-                }
-                held => self.solo_view(st, held.into_block(), req, pos),
-            };
+            return self.serve_held(st, held, req, i, pos);
         }
         a.awaiting = Some(Awaiting::Solo { pos });
         a.alloc(st, capacity, false)
@@ -2609,18 +2603,32 @@ impl CacheState {
             .pop_if(|held| held.is_idle() && held.bytes() >= req.bytes)
         {
             uncached(st, a.gauge, held.bytes());
-            add(&st.hits, 1);
-            return match held {
-                Held::Viewed { arena, view } if view.on_current_stream() => {
-                    self.reissue(arena, view, req, i, pos)
-                }
-                held => self.solo_view(st, held.into_block(), req, pos),
-            };
+            return self.serve_held(st, held, req, i, pos);
         }
         #[cfg(test)]
         TINY_MADE.with(|n| n.set(n.get() + 1));
         a.awaiting = Some(Awaiting::Solo { pos });
         a.alloc(st, layout::SMALL, false)
+    }
+
+    /// A solo block kept for later (a spare, a small array's block online) serves `req`, a hit:
+    /// through the view it kept when that view is on the thread's current stream, else through
+    /// a new one.
+    fn serve_held(
+        &mut self,
+        st: &Counters,
+        held: Held,
+        req: &Request<'_>,
+        i: usize,
+        pos: u32,
+    ) -> Planned {
+        add(&st.hits, 1);
+        match held {
+            Held::Viewed { arena, view } if view.on_current_stream() => {
+                self.reissue(arena, view, req, i, pos)
+            }
+            held => self.solo_view(st, held.into_block(), req, pos),
+        }
     }
 
     /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a

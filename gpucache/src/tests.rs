@@ -1218,12 +1218,13 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
-/// Online, a step's small arrays (a detector's scores, indices, sizes: at most a KiB) get blocks
-/// of their own, never bytes of the online block, and a block comes back for the next small
-/// array when its array drops, in its step, in the next (kept as an output), or on another
-/// thread. So once the first online steps have made as many blocks as small arrays are alive
-/// at once, the steps make no more; every value is what was written; capped cached bytes evict
-/// them; and `invalidate` gives every byte back.
+/// Online, a step's small arrays (a detector's scores, indices, sizes: at most 512 bytes) kept into
+/// the next step split the block's free bytes; once the block grows around them, small arrays
+/// get blocks of their own, never bytes of the online block, and a block comes back for the
+/// next small array when its array drops, in its step, in the next (kept as an output), or on
+/// another thread. So once the first steps have made as many blocks as small arrays are alive at
+/// once, the steps make no more, and stay online; every value is what was written; a cap on the
+/// cached bytes evicts the blocks; and `invalidate` gives every byte back.
 #[test]
 fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
     let name = "unit-online-tiny";
@@ -1241,17 +1242,19 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
     let tiny = || TINY_MADE.with(std::cell::Cell::get);
     let (tiny0, mut outputs) = (tiny(), Vec::new());
     let mut made = Vec::new();
-    for step in 0..12u32 {
-        let before = tiny();
+    for step in 0..16u32 {
+        let (before, online) = (tiny(), online_steps());
         {
             let _scope = crate::enter(name);
             kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
-            // Eight small arrays (1 to 256 elements), three of them kept into the next step.
+            // Eight small arrays (1 to 128 elements), three of them kept into the next step.
             let small: Vec<_> = (0..8)
-                .map(|k| filled(1 + rng.below(256) as usize, 10_000 + 8 * step + k))
+                .map(|k| filled(1 + rng.below(128) as usize, 10_000 + 8 * step + k))
                 .collect();
             for (old, w) in outputs.drain(..) {
-                if w % 2 == 0 {
+                // On another thread once they are apart (an array of the block dropped there
+                // would take the scope off the online tier until the owner settles it).
+                if w % 2 == 0 || step < 8 {
                     assert!(holds(&old, w));
                 } else {
                     std::thread::spawn(move || assert!(holds(&old, w)))
@@ -1267,12 +1270,22 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
                 }
             }
         }
+        assert_eq!(
+            online_steps(),
+            online + 1,
+            "step {step} was not served online"
+        );
         v += 4;
         made.push(tiny() - before);
     }
     assert!(tiny() > tiny0, "no small array got a block of its own");
+    let first = made.iter().position(|&n| n > 0).unwrap_or(0);
     assert!(
-        made[3..].iter().all(|&n| n == 0),
+        first < 8,
+        "small arrays apart only from step {first}: {made:?}"
+    );
+    assert!(
+        made[first + 2..].iter().all(|&n| n == 0),
         "blocks made for small arrays per step: {made:?}"
     );
     assert!(
@@ -1280,9 +1293,9 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
         "{} blocks for 11 alive at once",
         tiny() - tiny0
     );
-    // Capped, the cache keeps no more than the cap of them.
+    // Capped at nothing, the cache keeps none of them: the next step's small array gets a new
+    // block.
     let s = crate::stats(name);
-    assert!(s.bytes_cached >= 1024, "{s}");
     let evictions = s.evictions;
     crate::configure(
         name,
@@ -1292,8 +1305,15 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
             ..CacheConfig::default()
         },
     );
-    let s = crate::stats(name);
-    assert!(s.evictions > evictions, "{s}");
+    assert!(crate::stats(name).evictions > evictions);
+    let before = tiny();
+    {
+        let _scope = crate::enter(name);
+        kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
+        let a = filled(16, 5);
+        assert!(holds(&a, 5));
+    }
+    assert_eq!(tiny(), before + 1, "a small array after the eviction");
     drop((kept, outputs));
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
@@ -1301,8 +1321,8 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
 
 /// Random programs of steps that never come again, served online once the shadow says so:
 /// arrays kept across steps (one to three, a third of them small, dropped early or late in the
-/// next step, or on another thread), and, once the scope is online, `invalidate` or `empty_cache` in the middle of some
-/// steps with arrays alive. Every array holds what was written when it drops, after every step
+/// next step, or on another thread), and, once the scope is online, `invalidate` or
+/// `empty_cache` in the middle of some steps with arrays alive. Every array holds what was written when it drops, after every step
 /// the cache accounts for every byte the device holds for it, and every byte goes back at the
 /// end.
 #[test]
@@ -1392,7 +1412,7 @@ fn random_programs_served_online_keep_every_value() {
 }
 
 /// One to three arrays made at the end of a step, to be kept into the next: a third of them
-/// small (at most 1 KiB, a detector's scores and indices).
+/// small (at most 512 bytes, a detector's scores and indices).
 fn kept_later(
     rng: &mut Xorshift,
     next: &mut impl FnMut(usize, &mut u32) -> (Array<u32>, u32),
@@ -1401,7 +1421,7 @@ fn kept_later(
     (0..1 + rng.below(3))
         .map(|_| {
             let n = if rng.below(3) == 0 {
-                1 + rng.below(256)
+                1 + rng.below(128)
             } else {
                 256 + rng.below(16 * 1024)
             };

@@ -16,7 +16,7 @@
 //! scope is served online only once its plans are measured to hold more than online serving
 //! would (the arena module's "Steps served online" says when).
 //!
-//! Small arrays kept into the next step (a detector's outputs, under a KiB each) sit where best
+//! Small arrays kept into the next step (a detector's outputs, a few hundred bytes each) sit where best
 //! fit put them, often in the block's middle; once the block grows while such arrays are in it,
 //! a scope's small arrays get blocks of their own (the arena module's "Steps served online"),
 //! and the block holds its larger arrays alone (Keypoint R-CNN's long runs: 1.38x of their peak

@@ -2,7 +2,7 @@
 //! make.
 
 use crate::backend::VIEWS_MADE;
-use crate::cache::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, TINY_MADE};
+use crate::cache::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, SLABS_MADE};
 use std::sync::Arc;
 
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
@@ -1220,13 +1220,13 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
 
 /// Online, a step's small arrays (a detector's scores, indices, sizes: at most 512 bytes) kept into
 /// the next step split the block's free bytes; once the block grows around them, small arrays
-/// get blocks of their own, never bytes of the online block, and a block comes back for the
-/// next small array when its array drops, in its step, in the next (kept as an output), or on
-/// another thread. So once the first steps have made as many blocks as small arrays are alive at
-/// once, the steps make no more, and stay online; every value is what was written; a cap on the
-/// cached bytes evicts the blocks; and `invalidate` gives every byte back.
+/// get slots of a slab, never bytes of the online block, and a slot comes back for the next
+/// small array when its array drops, in its step, in the next (kept as an output), or on
+/// another thread (once the slab is unused). So the steps make one slab for eleven small
+/// arrays alive at once, and no more, and stay online; every value is what was written; a cap
+/// on the cached bytes evicts an unused slab; and `invalidate` gives every byte back.
 #[test]
-fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
+fn small_arrays_online_get_slots_of_a_slab_kept_for_the_next() {
     let name = "unit-online-tiny";
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
@@ -1239,11 +1239,11 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
         v += 4;
         assert!(v < 4 * 60, "the scope never went online");
     }
-    let tiny = || TINY_MADE.with(std::cell::Cell::get);
-    let (tiny0, mut outputs) = (tiny(), Vec::new());
+    let slabs = || SLABS_MADE.with(std::cell::Cell::get);
+    let (slabs0, mut outputs) = (slabs(), Vec::new());
     let mut made = Vec::new();
     for step in 0..16u32 {
-        let (before, online) = (tiny(), online_steps());
+        let (before, online) = (slabs(), online_steps());
         {
             let _scope = crate::enter(name);
             kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
@@ -1276,9 +1276,9 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
             "step {step} was not served online"
         );
         v += 4;
-        made.push(tiny() - before);
+        made.push(slabs() - before);
     }
-    assert!(tiny() > tiny0, "no small array got a block of its own");
+    assert!(slabs() > slabs0, "no small array went to a slab");
     let first = made.iter().position(|&n| n > 0).unwrap_or(0);
     assert!(
         first < 8,
@@ -1286,15 +1286,34 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
     );
     assert!(
         made[first + 2..].iter().all(|&n| n == 0),
-        "blocks made for small arrays per step: {made:?}"
+        "slabs made for small arrays per step: {made:?}"
     );
-    assert!(
-        tiny() - tiny0 <= 11,
-        "{} blocks for 11 alive at once",
-        tiny() - tiny0
+    assert_eq!(
+        slabs() - slabs0,
+        1,
+        "one slab for 11 small arrays alive at once"
     );
-    // Capped at nothing, the cache keeps none of them: the next step's small array gets a new
-    // block.
+    // A step that begins with small arrays serves its larger ones from the block all the same
+    // (its free ranges open at its first allocation): every array a hit, the step online.
+    let counted = || {
+        let s = crate::stats(name);
+        (s.hits, s.misses)
+    };
+    let (before, online) = (counted(), online_steps());
+    {
+        let _scope = crate::enter(name);
+        let small: Vec<_> = (0..8).map(|k| filled(1 + 16 * k, k as u32)).collect();
+        let large = filled(4096, 9);
+        for (k, a) in small.iter().enumerate() {
+            assert!(holds(a, k as u32));
+        }
+        assert!(holds(&large, 9));
+    }
+    assert_eq!(counted(), (before.0 + 9, before.1));
+    assert_eq!(online_steps(), online + 1);
+    // Capped at nothing, the cache keeps no slab no array holds a slot of: the next step's
+    // small array gets a new slab.
+    drop(outputs);
     let s = crate::stats(name);
     let evictions = s.evictions;
     crate::configure(
@@ -1306,15 +1325,15 @@ fn small_arrays_online_get_blocks_of_their_own_kept_for_the_next() {
         },
     );
     assert!(crate::stats(name).evictions > evictions);
-    let before = tiny();
+    let (before, hits_misses) = (slabs(), counted());
     {
         let _scope = crate::enter(name);
-        kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
         let a = filled(16, 5);
         assert!(holds(&a, 5));
     }
-    assert_eq!(tiny(), before + 1, "a small array after the eviction");
-    drop((kept, outputs));
+    assert_eq!(slabs(), before + 1, "a small array after the eviction");
+    assert_eq!(counted(), (hits_misses.0, hits_misses.1 + 1), "a miss");
+    drop(kept);
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
@@ -1331,7 +1350,7 @@ fn random_programs_served_online_keep_every_value() {
     backend.set_growable(true);
     let mut went_online = 0;
     let mut cut_online = 0;
-    let tiny0 = TINY_MADE.with(std::cell::Cell::get);
+    let tiny0 = SLABS_MADE.with(std::cell::Cell::get);
     for seed in 1..=6u64 {
         let name = format!("unit-online-random-{seed}");
         crate::configure(
@@ -1405,8 +1424,8 @@ fn random_programs_served_online_keep_every_value() {
     assert!(went_online >= 3, "{went_online} of 6 programs went online");
     assert!(cut_online > 0, "no step served online was cut");
     assert!(
-        TINY_MADE.with(std::cell::Cell::get) > tiny0,
-        "no small array got a block of its own"
+        SLABS_MADE.with(std::cell::Cell::get) > tiny0,
+        "no small array went to a slab"
     );
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }

@@ -1319,7 +1319,10 @@ fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> Te
 /// grown in place (mapped further, under arrays alive and kernels queued) when none holds it.
 /// Kernels fill every array, and each is checked before it drops; the outputs keep their values
 /// into the next step; in the second half of the steps the device allocates (grows) at most
-/// four times.
+/// four times. Each step also makes six small arrays (4 to 512 bytes: scores, labels), two kept
+/// into the next step: once the block grows around them they go to slots of a slab, whose views
+/// kernels write and read like any other; one of them, used on a side stream in the first half,
+/// has its slab given up, its bytes waiting for that stream.
 fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestResult {
     let name = "cuda-online";
     arena(name);
@@ -1342,7 +1345,9 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
         Ok(())
     };
     let steps = 48;
+    let side = stream.context().new_stream()?;
     let mut kept: Option<[(Array<f32>, f32); 2]> = None;
+    let mut kept_small: Vec<(Array<f32>, f32)> = Vec::new();
     let mut misses = 0;
     for step in 0..steps {
         if step == steps / 2 {
@@ -1370,6 +1375,22 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
                 check(a)?;
             }
         }
+        let mut small = Vec::new();
+        for k in 0..6 {
+            small.push(made(1 + draw(0, 128) / 128, v + 50.0 + k as f32)?);
+        }
+        for a in kept_small.drain(..) {
+            check(&a)?;
+        }
+        for a in &small {
+            check(a)?;
+        }
+        kept_small.extend(small.drain(..2));
+        if step == steps / 4 {
+            // Used on a side stream too: its bytes are not reused before that stream's work.
+            side.join(&stream)?;
+            kept_small[0].0.record_stream(&side)?;
+        }
         let outputs = [
             made(draw(1024, 16 * 1024), v + 90.0)?,
             made(draw(1024, 16 * 1024), v + 91.0)?,
@@ -1389,7 +1410,10 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
         let grown = stats(name).misses - misses;
         assert!(grown <= 4, "{grown} device allocations in the second half");
     }
-    drop(kept);
+    for a in &kept_small {
+        check(a)?;
+    }
+    drop((kept, kept_small));
     gpucache::invalidate(name);
     Ok(())
 }

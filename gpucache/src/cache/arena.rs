@@ -164,10 +164,12 @@
 //! Small arrays (at most [`layout::SMALL`] bytes: a detector's scores, indices, sizes) kept in
 //! the block from earlier steps split its free bytes where best fit put them. Once the block
 //! grows while such arrays are in it ([`DeviceArena::tiny_apart`]), every small array of the
-//! online steps gets a block of its own of [`layout::SMALL`] bytes instead, kept when its array
-//! drops for the next one ([`DeviceArena::tiny`], through the view it kept): the online block
-//! then holds the larger arrays alone. Not before: a scope whose small arrays cost it no growth
-//! would pay a device allocation for each of them alive at once.
+//! online steps gets a slot of a *slab* instead ([`DeviceArena::slabs`], the `slab` module: a
+//! block of 128 slots of [`layout::SMALL`] bytes, each slot's view kept for its next array): the
+//! online block then holds the larger arrays alone. Not before: a scope whose small arrays cost
+//! it no growth would pay a device allocation for a slab (MobileNetV3 trained on a varying
+//! batch goes online in the second half of one shuffled run, where no device allocation is
+//! allowed).
 //!
 //! # Off the free-list paths
 //!
@@ -288,6 +290,7 @@ pub(super) mod gaps;
 pub(super) mod layout;
 pub(super) mod loose;
 pub(super) mod online;
+pub(super) mod slab;
 
 use std::cell::Cell;
 use std::ptr::NonNull;
@@ -310,6 +313,7 @@ use gaps::Gaps;
 use layout::{Layout, MAX_POSITIONS, NONE, OPEN, Rec, Serve};
 use loose::{Loose, drop_views};
 use online::MAX_ONLINE_PINS;
+use slab::{MAX_SLABS, SLAB_BYTES, Slab};
 
 /// The most small spares a device's planned cache keeps (see
 /// [`DeviceArena::free_spares_for`]): 32 KiB at most.
@@ -433,8 +437,8 @@ thread_local! {
     pub(crate) static SHELVED_MOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     /// The steps served online that ended on this thread.
     pub(crate) static ONLINE_STEPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    /// The blocks asked of the device for small arrays of steps served online on this thread.
-    pub(crate) static TINY_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The slabs asked of the device for small arrays of steps served online on this thread.
+    pub(crate) static SLABS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 impl Pin {
@@ -989,21 +993,25 @@ fn idle_or_new_view(
         Some(view) if view.spans(bytes) => Ok(view),
         short => {
             drop_views(short);
-            // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
-            let counts = unsafe { arena.as_ref() };
-            let span = counts.block.bytes() - offset;
-            let owner: *const dyn Backend = arena.as_ptr().cast_const();
-            // SAFETY: `offset < block bytes` (the layout placed the position and it fits in the
-            // footprint, or the block's gaps held the range), `owner` is the `Arc::into_raw`
-            // pointer of the block's `Arc`, whose backend is not counted, and the block stays
-            // alive, unmoved and untouched through `&mut` while views of it live: it is prepared
-            // only with no array's view alive (kept views touch only their own state until
-            // dropped, by the lock holder, before the block goes), and freed only once no view
-            // is (`views() == 0` and kept views dropped before retirement, `shared` reaching 0
-            // after).
-            unsafe { counts.block.view(owner, offset, span) }
+            new_view(arena, offset)
         }
     }
+}
+
+/// A new view of the cache's block `arena` (a plan's block or a slab) from `offset` to its end.
+fn new_view(arena: BlockPtr, offset: usize) -> Result<Block> {
+    // SAFETY: the block is the cache's, alive until the lock holder detaches it.
+    let counts = unsafe { arena.as_ref() };
+    let span = counts.block.bytes() - offset;
+    let owner: *const dyn Backend = arena.as_ptr().cast_const();
+    // SAFETY: `offset < block bytes` (the layout placed the position and it fits in the
+    // footprint, the block's gaps held the range, or it is a slab's slot), `owner` is the
+    // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and the block
+    // stays alive, unmoved and untouched through `&mut` while views of it live: it is prepared
+    // only with no array's view alive (kept views touch only their own state until dropped, by
+    // the lock holder, before the block goes), and freed only once no view is (`views() == 0`
+    // and kept views dropped before retirement, `shared` reaching 0 after).
+    unsafe { counts.block.view(owner, offset, span) }
 }
 
 /// The hit path's view for an array of `bytes` bytes (`size` aligned) at position `pos` (at
@@ -1087,7 +1095,7 @@ impl DeviceArena {
             record: Vec::new(),
             diverged: false,
             step_spares: Vec::new(),
-            tiny: Vec::new(),
+            slabs: Vec::new(),
             tiny_apart: false,
             replan: false,
             overflowed: false,
@@ -1455,12 +1463,103 @@ impl DeviceArena {
         }
     }
 
-    /// Small arrays no longer get blocks of their own: the blocks kept for them are freed.
-    fn stop_tiny(&mut self, st: &Counters) {
-        self.tiny_apart = false;
-        for held in std::mem::take(&mut self.tiny) {
-            self.free_cached(st, held.into_block());
+    /// Allocation `rec` of the step, a small array of `req.bytes`: a free slot of slab `k`,
+    /// through the view the slot kept when it is on the thread's current stream, else a new one
+    /// (the caller counts the hit, or the miss that made the slab).
+    /// `None`: the slab's block is on another stream with arrays of it alive (the online block
+    /// serves the array).
+    fn slab_slot(
+        &mut self,
+        st: &Counters,
+        k: usize,
+        req: &Request<'_>,
+        rec: u32,
+    ) -> Option<Planned> {
+        let (step, g) = (self.step, self.gauge);
+        let slab = &mut self.slabs[k];
+        let arena = slab.arena;
+        // SAFETY: a slab's block is the cache's until given up.
+        let counts = unsafe { arena.as_ref() };
+        if !counts.block.on_current_stream() {
+            if counts.views() != 0 {
+                return None;
+            }
+            // SAFETY: no view of it is alive (its idle views touch only their own state), and
+            // we hold the lock.
+            let block = unsafe { ArenaBlock::block_mut(arena) };
+            if let Err(e) = block.prepare_reuse() {
+                return Some(Planned::Failed(e));
+            }
         }
+        let (slot, idle) = slab.take()?;
+        let offset = slot * layout::SMALL;
+        let view = match idle {
+            Some(view) if view.on_current_stream() => Ok(view),
+            other => {
+                drop_views(other);
+                new_view(arena, offset)
+            }
+        };
+        match view {
+            Ok(view) => {
+                let size = aligned(req.bytes).unwrap_or(layout::SMALL);
+                let view = counted(
+                    &mut slab.in_use,
+                    st,
+                    g,
+                    arena,
+                    offset,
+                    (req.bytes, size),
+                    view,
+                );
+                Some(Planned::View(view, gap_slot(rec), step))
+            }
+            Err(e) => {
+                slab.untake(slot);
+                Some(Planned::Failed(e))
+            }
+        }
+    }
+
+    /// Small arrays no longer get slots of slabs: the slabs are given up (freed, or retired
+    /// while arrays of them are alive). Returns how many were retired.
+    fn stop_tiny(&mut self, st: &Counters) -> usize {
+        self.tiny_apart = false;
+        let slabs = std::mem::take(&mut self.slabs);
+        slabs
+            .into_iter()
+            .map(|s| usize::from(self.give_up_slab(st, s)))
+            .sum()
+    }
+
+    /// Gives slab `slab` up: its idle views dropped, its block freed, or retired while arrays of
+    /// it are alive (returns `true`; the last of them frees it).
+    fn give_up_slab(&mut self, st: &Counters, mut slab: Slab) -> bool {
+        drop_views(slab.take_idle());
+        self.detach(st, slab.arena, slab.in_use, false)
+    }
+
+    /// At a step's end (and when the stats are read): a slab no array holds a slot of gets
+    /// every slot back, its bytes all cached (those of arrays dropped on other threads were not
+    /// counted back); a slab one of whose views was used on another stream is given up, its
+    /// bytes waiting for that work. Returns how many slabs were retired.
+    fn settle_slabs(&mut self, st: &Counters) -> usize {
+        let mut retired = 0;
+        let mut k = 0;
+        while k < self.slabs.len() {
+            if self.slabs[k].tainted {
+                let slab = self.slabs.swap_remove(k);
+                retired += usize::from(self.give_up_slab(st, slab));
+                continue;
+            }
+            let slab = &mut self.slabs[k];
+            if slab.is_unused() {
+                cached(st, self.gauge, std::mem::take(&mut slab.in_use));
+                slab.reset();
+            }
+            k += 1;
+        }
+        retired
     }
 
     /// The spares of at most [`layout::SMALL`] bytes.
@@ -2017,19 +2116,14 @@ impl DeviceArena {
     /// Allocation `rec` of `size` aligned bytes of a step served online (see the `online`
     /// module): a view of the smallest free range of the plan's block that holds it,
     /// the block grown in place at its top by what its top range lacks when none does. The
-    /// free ranges open at the step's first allocation (the block made ready for the step's
-    /// stream), around the arrays of earlier steps alive in the block (its pins). `None`: the
-    /// block cannot be used on this stream, or cannot grow (the array goes apart).
+    /// free ranges were opened at the step's first allocation (`CacheState::planned`, the block
+    /// made ready for the step's stream), around the arrays of earlier steps alive in the block
+    /// (its pins). `None`: the block cannot be used on this stream, or cannot grow (the array
+    /// goes apart).
     fn online_view(&mut self, st: &Counters, req: &Request<'_>, size: usize) -> Option<Planned> {
         let rec = self.tick - 1;
         let plan = self.plan.as_mut()?;
         let arena = plan.block?;
-        if plan.gaps.is_none()
-            && rec == 0
-            && let Err(e) = plan.open_gaps(&self.record)
-        {
-            return Some(Planned::Failed(e));
-        }
         let gaps = plan.gaps.as_mut()?;
         let offset = match gaps.take(rec, size, false) {
             Some(offset) => offset,
@@ -2041,9 +2135,8 @@ impl DeviceArena {
                     return None;
                 }
                 // Small arrays kept in the block from earlier steps split its free bytes: from
-                // now on small arrays get blocks of their own (not before: a scope whose small
-                // pins cost it no growth would pay a device allocation for each small array
-                // alive at once, MobileNetV3 58 in its first step online).
+                // now on small arrays get slots of slabs (not before: a scope whose small pins
+                // cost it no growth would pay a device allocation for a slab).
                 self.tiny_apart |= self.plan.as_ref().is_some_and(Plan::small_pins);
                 // SAFETY: a plan's block is the cache's until detached, and alive while it is.
                 let grown = unsafe { arena.as_ref() }.block.bytes();
@@ -2154,9 +2247,11 @@ impl DeviceArena {
         }
         let settled = self.settled_in_block(tainted, tail_alive);
         let online = self.online && self.stays_online(tainted);
-        if !online {
-            self.stop_tiny(st);
-        }
+        retired += if online {
+            self.settle_slabs(st)
+        } else {
+            self.stop_tiny(st)
+        };
         if online {
             // Its arrays alive in the block are its pins; the next step's free ranges go
             // around them. No plan is made.
@@ -2387,7 +2482,7 @@ impl CacheState {
             // not use it on its stream): the plans serve the steps again, their small arrays
             // as theirs are.
             a.online = false;
-            a.stop_tiny(st);
+            self.live += a.stop_tiny(st);
         }
         if rec >= MAX_POSITIONS {
             a.overflowed = true;
@@ -2399,9 +2494,21 @@ impl CacheState {
                 end: OPEN,
                 planned: NONE,
             });
-            if size <= layout::SMALL && a.tiny_apart {
-                return self.tiny_view(st, i, req, rec);
+            // The block's free ranges open at the step's first allocation, whatever serves it.
+            if rec == 0
+                && let Some(plan) = &mut a.plan
+                && plan.gaps.is_none()
+                && let Err(e) = plan.open_gaps(&a.record)
+            {
+                return Planned::Failed(e);
             }
+            if size <= layout::SMALL
+                && a.tiny_apart
+                && let Some(got) = self.slab_view(st, i, req, rec)
+            {
+                return got;
+            }
+            let a = &mut self.arenas.devices[i];
             if let Some(got) = a.online_view(st, req, size) {
                 return got;
             }
@@ -2586,31 +2693,6 @@ impl CacheState {
         a.alloc(st, capacity, false)
     }
 
-    /// Allocation `rec` of device `i`, a small array (at most [`layout::SMALL`] aligned bytes)
-    /// of a step served online once [`DeviceArena::tiny_apart`]: a block of its own, the newest
-    /// idle one the steps' small arrays left ([`DeviceArena::tiny`]), else a new one of
-    /// [`layout::SMALL`] bytes. Such arrays come and go by the hundred (a detector's scores,
-    /// indices, sizes: 38% of Keypoint R-CNN's allocations, 76% of Mask R-CNN's), and some live
-    /// into the next step: in the online block, best fit put those where a large array dropped,
-    /// and a later step's largest array found no range long enough among them (Keypoint
-    /// R-CNN's block grew to 1.38x of the peak live bytes, 1.19x at most with them apart;
-    /// BENCHMARKS.md). Apart, each is served through the view its block kept.
-    fn tiny_view(&mut self, st: &Counters, i: usize, req: &Request<'_>, rec: u32) -> Planned {
-        let a = &mut self.arenas.devices[i];
-        let pos = rec.min(NO_POSITION);
-        if let Some(held) = a
-            .tiny
-            .pop_if(|held| held.is_idle() && held.bytes() >= req.bytes)
-        {
-            uncached(st, a.gauge, held.bytes());
-            return self.serve_held(st, held, req, i, pos);
-        }
-        #[cfg(test)]
-        TINY_MADE.with(|n| n.set(n.get() + 1));
-        a.awaiting = Some(Awaiting::Solo { pos });
-        a.alloc(st, layout::SMALL, false)
-    }
-
     /// A solo block kept for later (a spare, a small array's block online) serves `req`, a hit:
     /// through the view it kept when that view is on the thread's current stream, else through
     /// a new one.
@@ -2629,6 +2711,41 @@ impl CacheState {
             }
             held => self.solo_view(st, held.into_block(), req, pos),
         }
+    }
+
+    /// Allocation `rec` of device `i`, a small array (at most [`layout::SMALL`] aligned bytes)
+    /// of a step served online once [`DeviceArena::tiny_apart`]: a slot of a slab (see the
+    /// `slab` module), through the view it kept if it did, else a new slab made for it. Such
+    /// arrays come and go by the hundred (a detector's scores, indices, sizes: 38% of Keypoint
+    /// R-CNN's allocations, 76% of Mask R-CNN's), and some live into the next step: in the
+    /// online block, best fit put those where a large array dropped, and a later step's largest
+    /// array found no range long enough among them (Keypoint R-CNN's block grew to 1.38x of the
+    /// peak live bytes, 1.19x at most with them apart; BENCHMARKS.md). `None`: no slab can
+    /// serve it (the most slabs are made, or none may be used on the thread's stream): the
+    /// online block does.
+    fn slab_view(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        rec: u32,
+    ) -> Option<Planned> {
+        let a = &mut self.arenas.devices[i];
+        let k = match a.slabs.iter().rposition(Slab::has_free) {
+            Some(k) => k,
+            None if a.slabs.len() < MAX_SLABS => {
+                #[cfg(test)]
+                SLABS_MADE.with(|n| n.set(n.get() + 1));
+                a.awaiting = Some(Awaiting::Slab { rec });
+                return Some(a.alloc(st, SLAB_BYTES, false));
+            }
+            None => return None,
+        };
+        let got = a.slab_slot(st, k, req, rec)?;
+        if matches!(got, Planned::View(..)) {
+            add(&st.hits, 1);
+        }
+        Some(got)
     }
 
     /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a
@@ -2921,8 +3038,24 @@ impl CacheState {
             let step = a.step;
             return Ok(plan.position_view(st, a.gauge, arena, (pos, offset), req.bytes, step));
         }
+        if let Some(Awaiting::Slab { rec }) = awaiting
+            && block.bytes() >= SLAB_BYTES
+        {
+            // Every slot is free: the whole slab cached, as a plan's new block is.
+            cached(st, a.gauge, block.bytes());
+            a.slabs.push(Slab::new(ArenaBlock::new(block, generation)));
+            let k = a.slabs.len() - 1;
+            if let Some(got) = a.slab_slot(st, k, req, rec) {
+                return Ok(got);
+            }
+            unreachable!("a new slab on the thread's stream serves its first array")
+        }
         let pos = match awaiting {
-            Some(Awaiting::Plan { rec: pos, .. } | Awaiting::Solo { pos }) => pos,
+            Some(
+                Awaiting::Plan { rec: pos, .. }
+                | Awaiting::Solo { pos }
+                | Awaiting::Slab { rec: pos },
+            ) => pos,
             None => NO_POSITION,
         };
         Ok(self.solo_view(st, block, req, pos))
@@ -2931,11 +3064,14 @@ impl CacheState {
     /// Settles every device's plan for the arrays of its block dropped on other threads
     /// ([`Plan::settle_remote_drops`]), so that the bytes in use count live arrays only.
     pub(super) fn settle_remote_drops(&mut self, st: &Counters) {
+        let mut retired = 0;
         for a in &mut self.arenas.devices {
             if let Some(plan) = &mut a.plan {
                 plan.settle_remote_drops(st, a.gauge);
             }
+            retired += a.settle_slabs(st);
         }
+        self.live += retired;
     }
 
     /// The outermost scope exited: every device's step ends.
@@ -2958,7 +3094,7 @@ impl CacheState {
             for spare in std::mem::take(&mut a.spares) {
                 a.free_cached(st, spare.into_block());
             }
-            a.stop_tiny(st);
+            retired += a.stop_tiny(st);
             retired += usize::from(a.drop_plan(st));
             if let Some((old, _)) = a.given_up.take() {
                 a.free_cached(st, old);
@@ -3010,14 +3146,6 @@ impl CacheState {
         let current = generation == self.generation && self.config.key.is_planned();
         let keep = solo && current;
         match self.arenas.index(held.device()) {
-            // A small array's block of a step served online: kept for the next such array.
-            Some(i) if keep && held.bytes() == layout::SMALL && self.arenas.devices[i].online => {
-                let a = &mut self.arenas.devices[i];
-                cached(st, a.gauge, held.bytes());
-                a.tiny.push(held);
-                self.evict_spares(st, self.config.max_cached_bytes);
-                false
-            }
             // A small array's block is kept too when its array dropped within its step, if a
             // plan serves the step: small arrays the plan does not hold come every step (see
             // `layout::SMALL`).
@@ -3061,8 +3189,8 @@ impl CacheState {
         }
     }
 
-    /// Frees the oldest spares, then the oldest blocks of online small arrays, until those the
-    /// cache keeps fit in `cap`.
+    /// Frees the oldest spares, then the slabs no array holds a slot of, until what the cache
+    /// keeps for later (the spares, the slabs' free slots) fits in `cap`.
     fn evict_spares(&mut self, st: &Counters, cap: Option<usize>) {
         let Some(cap) = cap else {
             return;
@@ -3071,22 +3199,33 @@ impl CacheState {
             .arenas
             .devices
             .iter()
-            .flat_map(|a| a.spares.iter().chain(&a.tiny))
-            .map(Held::bytes)
+            .map(|a| {
+                let spares: usize = a.spares.iter().map(Held::bytes).sum();
+                let slabs: usize = a.slabs.iter().map(|s| s.bytes() - s.in_use).sum();
+                spares + slabs
+            })
             .sum();
+        let mut retired = 0;
         for a in &mut self.arenas.devices {
-            // The spares first, then the small arrays' blocks, the oldest first.
-            while spare > cap && !(a.spares.is_empty() && a.tiny.is_empty()) {
-                let block = if a.spares.is_empty() {
-                    a.tiny.remove(0).into_block()
-                } else {
-                    a.remove_spare(0).into_block()
-                };
+            while spare > cap && !a.spares.is_empty() {
+                let block = a.remove_spare(0).into_block();
                 spare -= block.bytes();
                 add(&st.evictions, 1);
                 a.free_cached(st, block);
             }
+            let mut k = 0;
+            while spare > cap && k < a.slabs.len() {
+                if !a.slabs[k].is_unused() {
+                    k += 1;
+                    continue;
+                }
+                let slab = a.slabs.swap_remove(k);
+                spare -= slab.bytes() - slab.in_use;
+                add(&st.evictions, 1);
+                retired += usize::from(a.give_up_slab(st, slab));
+            }
         }
+        self.live += retired;
     }
 
     /// [`CacheState::drop_view`] of the common case, inlined into the array's drop: an array of
@@ -3177,8 +3316,22 @@ impl CacheState {
             let mut rec = pos;
             if !counts.is_retired() {
                 counts.uncount_view();
-                // A block that is not retired is its plan's.
-                if let Some(plan) = &mut a.plan {
+                // A block that is not retired is a slab (a small array of a step served
+                // online), else its plan's.
+                if let Some(slab) = a.slabs.iter_mut().find(|s| s.arena == arena) {
+                    let size = view_size(bytes);
+                    slab.in_use -= size;
+                    cached(st, a.gauge, size);
+                    rec = pos - GAP_BASE;
+                    if tainted {
+                        // Its bytes wait for the other stream's work: the slot stays taken, and
+                        // the slab is given up at the step's end.
+                        slab.tainted = true;
+                    } else if let Some(view) = view.take() {
+                        let slot = (view.address() - counts.block.address()) / layout::SMALL;
+                        slab.put(slot, view);
+                    }
+                } else if let Some(plan) = &mut a.plan {
                     let size = view_size(bytes);
                     plan.in_use -= size;
                     cached(st, a.gauge, size);

@@ -44,7 +44,7 @@
 
 mod arena;
 #[cfg(test)]
-pub(crate) use arena::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, TINY_MADE};
+pub(crate) use arena::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, SLABS_MADE};
 pub(crate) mod counters;
 #[cfg(feature = "tracing")]
 mod events;

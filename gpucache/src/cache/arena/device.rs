@@ -10,6 +10,7 @@ use super::gaps::Gaps;
 use super::layout::{Layout, Rec};
 use super::loose::Loose;
 use super::online::Shadow;
+use super::slab::Slab;
 use crate::Device;
 use crate::backend::Block;
 use crate::cache::counters::GaugeIx;
@@ -95,6 +96,8 @@ pub(super) enum Awaiting {
     Plan { pos: u32, offset: usize, rec: u32 },
     /// A solo block for position `pos`.
     Solo { pos: u32 },
+    /// A slab, for allocation `rec` of the step, a small array of a step served online.
+    Slab { rec: u32 },
 }
 
 /// A tally of a step's allocations so far, each against the position it was matched with.
@@ -163,14 +166,12 @@ pub(in crate::cache) struct DeviceArena {
     /// ([`DeviceArena::remove_spare`]), so that no block made later at its address is taken for
     /// it.
     pub(super) step_spares: Vec<u64>,
-    /// Online, the blocks of the steps' small arrays (at most [`SMALL`](super::layout::SMALL)
-    /// bytes: a scalar, a few indices) that no array uses, the newest last: once
-    /// [`DeviceArena::tiny_apart`], such an array gets a block of its own, of those bytes, never
-    /// bytes of the online block, and its block comes back here when it drops, for the next.
-    /// Counted as cached; freed when the cache gives its blocks back, and when its steps leave
-    /// the online tier.
-    pub(super) tiny: Vec<Held>,
-    /// Online, small arrays get blocks of their own ([`DeviceArena::tiny`]): set when the online
+    /// Online, the slabs of the steps' small arrays (at most [`SMALL`](super::layout::SMALL)
+    /// bytes: a scalar, a few indices): once [`DeviceArena::tiny_apart`], such an array gets a
+    /// slot of a slab, never bytes of the online block (see the `slab` module). Their free slots
+    /// count as cached; given up with the online tier and by the cache's cold starts.
+    pub(super) slabs: Vec<Slab>,
+    /// Online, small arrays get slots of slabs ([`DeviceArena::slabs`]): set when the online
     /// block grows while small arrays kept from earlier steps are in it, until the steps leave
     /// the online tier or the cache gives its blocks back.
     pub(super) tiny_apart: bool,

@@ -2693,9 +2693,8 @@ impl CacheState {
         a.alloc(st, capacity, false)
     }
 
-    /// A solo block kept for later (a spare, a small array's block online) serves `req`, a hit:
-    /// through the view it kept when that view is on the thread's current stream, else through
-    /// a new one.
+    /// A spare (a solo block kept for later) serves `req`, a hit: through the view it kept when
+    /// that view is on the thread's current stream, else through a new one.
     fn serve_held(
         &mut self,
         st: &Counters,
@@ -3061,8 +3060,9 @@ impl CacheState {
         Ok(self.solo_view(st, block, req, pos))
     }
 
-    /// Settles every device's plan for the arrays of its block dropped on other threads
-    /// ([`Plan::settle_remote_drops`]), so that the bytes in use count live arrays only.
+    /// Settles every device's plan and slabs for the arrays of their blocks dropped on other
+    /// threads ([`Plan::settle_remote_drops`], [`DeviceArena::settle_slabs`]), so that the bytes
+    /// in use count live arrays only.
     pub(super) fn settle_remote_drops(&mut self, st: &Counters) {
         let mut retired = 0;
         for a in &mut self.arenas.devices {

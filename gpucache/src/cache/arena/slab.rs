@@ -11,8 +11,10 @@
 //! thread they only count down, and their slots come back when no array holds any slot of the
 //! slab ([`Slab::reset`]). A slab is given up as a plan's block is (retired while arrays of it
 //! are alive, freed by the last of them), by the cache's cold starts, when the scope leaves
-//! the online tier, and when a view of it was used on another stream (its bytes wait for that
-//! work). This file holds the data; the arena module does what is done with it.
+//! the online tier, when a view of it was used on another stream (its bytes wait for that
+//! work), and, unused, to keep the cache within `max_cached_bytes` (its free slots are cached
+//! bytes). A slab last used on another stream is prepared for the thread's only while no array
+//! holds a slot of it. This file holds the data; the arena module does what is done with it.
 
 use super::block::BlockPtr;
 use super::layout::SMALL;

@@ -1161,6 +1161,19 @@ fn steps_that_never_come_again_are_served_online_once_plans_hold_more() {
     assert_eq!(backend.outstanding_bytes(), 0);
 }
 
+/// Runs a detector's steps ([`unrepeated_step`]) in scope `name` until one is served online.
+/// Returns the outputs the last step kept and the value the next step starts from.
+fn steps_until_online(name: &str, rng: &mut Xorshift) -> (Option<[Array<u32>; 2]>, u32) {
+    let (mut kept, mut v) = (None, 4);
+    let online0 = online_steps();
+    while online_steps() == online0 {
+        kept = Some(unrepeated_step(name, rng, v, kept.take()));
+        v += 4;
+        assert!(v < 4 * 60, "the scope never went online");
+    }
+    (kept, v)
+}
+
 /// Online, a scope keeps working through what the plans' steps go through: an output dropped
 /// on another thread (its bytes stay taken until the owner settles them), the cache emptied
 /// in the middle of a step (its block retired under the arrays alive, the next steps cold),
@@ -1172,17 +1185,11 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
     let mut rng = Xorshift(0x2545_f491_4f6c_dd1d);
-    let mut kept = None;
-    let mut v = 4;
-    let online0 = online_steps();
+    let (mut kept, mut v) = steps_until_online(name, &mut rng);
     let step = |kept: &mut Option<[Array<u32>; 2]>, rng: &mut Xorshift, v: &mut u32| {
         *kept = Some(unrepeated_step(name, rng, *v, kept.take()));
         *v += 4;
     };
-    while online_steps() == online0 {
-        step(&mut kept, &mut rng, &mut v);
-        assert!(v < 4 * 60, "the scope never went online");
-    }
     // An output dropped on another thread: its bytes come back through the return queue.
     if let Some([a, b]) = kept.take() {
         let v = v - 4;
@@ -1231,14 +1238,7 @@ fn small_arrays_online_get_slots_of_a_slab_kept_for_the_next() {
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
     let mut rng = Xorshift(0x6a09_e667_f3bc_c909);
-    let mut kept = None;
-    let mut v = 4;
-    let online0 = online_steps();
-    while online_steps() == online0 {
-        kept = Some(unrepeated_step(name, &mut rng, v, kept.take()));
-        v += 4;
-        assert!(v < 4 * 60, "the scope never went online");
-    }
+    let (mut kept, mut v) = steps_until_online(name, &mut rng);
     let slabs = || SLABS_MADE.with(std::cell::Cell::get);
     let (slabs0, mut outputs) = (slabs(), Vec::new());
     let mut made = Vec::new();

@@ -1320,9 +1320,9 @@ fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> Te
 /// Kernels fill every array, and each is checked before it drops; the outputs keep their values
 /// into the next step; in the second half of the steps the device allocates (grows) at most
 /// four times. Each step also makes six small arrays (4 to 512 bytes: scores, labels), two kept
-/// into the next step: once the block grows around them they go to slots of a slab, whose views
-/// kernels write and read like any other; one of them, used on a side stream in the first half,
-/// has its slab given up, its bytes waiting for that stream.
+/// into the next step (once the block grows around them, small arrays go to slots of a slab,
+/// whose views kernels write and read like any other); one of them is used on a side stream too,
+/// in the first half, and its bytes are not handed out again before that stream's work.
 fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestResult {
     let name = "cuda-online";
     arena(name);

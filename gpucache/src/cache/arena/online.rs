@@ -16,11 +16,11 @@
 //! scope is served online only once its plans are measured to hold more than online serving
 //! would (the arena module's "Steps served online" says when).
 //!
-//! Small arrays kept into the next step (a detector's outputs, a few hundred bytes each) sit where best
-//! fit put them, often in the block's middle; once the block grows while such arrays are in it,
-//! a scope's small arrays get slots of slabs (the arena module's "Steps served online"),
-//! and the block holds its larger arrays alone (Keypoint R-CNN's long runs: 1.38x of their peak
-//! live bytes in seven of thirteen orders, 1.19x at most since).
+//! Small arrays kept into the next step (a detector's outputs, a few hundred bytes each) sit
+//! where best fit put them, often in the block's middle; once the block grows while such arrays
+//! are in it, a scope's small arrays get slots of slabs (the arena module's "Steps served
+//! online"), and the block holds its larger arrays alone (Keypoint R-CNN's long runs: 1.38x of
+//! their peak live bytes in seven of thirteen orders, 1.19x at most since).
 //!
 //! The [`Shadow`] is that measure: online serving simulated on the steps' records (each
 //! allocation's aligned size, in order, and the tick its array dropped) and on the drops of

@@ -1523,7 +1523,7 @@ impl DeviceArena {
 
     /// Small arrays no longer get slots of slabs: the slabs are given up (freed, or retired
     /// while arrays of them are alive). Returns how many were retired.
-    fn stop_tiny(&mut self, st: &Counters) -> usize {
+    fn stop_slabs(&mut self, st: &Counters) -> usize {
         self.tiny_apart = false;
         let slabs = std::mem::take(&mut self.slabs);
         slabs
@@ -2250,7 +2250,7 @@ impl DeviceArena {
         retired += if online {
             self.settle_slabs(st)
         } else {
-            self.stop_tiny(st)
+            self.stop_slabs(st)
         };
         if online {
             // Its arrays alive in the block are its pins; the next step's free ranges go
@@ -2482,7 +2482,7 @@ impl CacheState {
             // not use it on its stream): the plans serve the steps again, their small arrays
             // as theirs are.
             a.online = false;
-            self.live += a.stop_tiny(st);
+            self.live += a.stop_slabs(st);
         }
         if rec >= MAX_POSITIONS {
             a.overflowed = true;
@@ -3094,7 +3094,7 @@ impl CacheState {
             for spare in std::mem::take(&mut a.spares) {
                 a.free_cached(st, spare.into_block());
             }
-            retired += a.stop_tiny(st);
+            retired += a.stop_slabs(st);
             retired += usize::from(a.drop_plan(st));
             if let Some((old, _)) = a.given_up.take() {
                 a.free_cached(st, old);

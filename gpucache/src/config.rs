@@ -53,6 +53,11 @@ pub enum KeyPolicy {
     ///   allocations, an array kept alive past its planned end) leaves the plan: the rest of the
     ///   step is served from the block's free bytes when it did not grow, else apart, and the
     ///   plan is remade from that step, with each position's largest size.
+    /// * **Steps that never come again** (a detector's, whose sizes follow each image) leave
+    ///   every plan: once the cache has measured, on their records, that serving them online
+    ///   would hold less than its plans, it does: each allocation takes the smallest free range
+    ///   of one block that holds it, the block grown in place when none does (see [Memory of a
+    ///   step](crate#memory-of-a-step)).
     /// * **Arrays that outlive their step** (returned, stored, sent to another thread) are
     ///   served apart, in blocks of their own, which are kept for the next such array after they
     ///   are freed, while the cache holds no more than it has held before.

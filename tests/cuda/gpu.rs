@@ -1322,7 +1322,11 @@ fn an_array_dropped_on_a_thread_without_the_context_goes_back(dev: Device) -> Te
 /// four times. Each step also makes six small arrays (4 to 512 bytes: scores, labels), two kept
 /// into the next step (once the block grows around them, small arrays go to slots of a slab,
 /// whose views kernels write and read like any other); one of them is used on a side stream too,
-/// in the first half, and its bytes are not handed out again before that stream's work.
+/// in the first half, and its bytes are not handed out again before that stream's work. In the
+/// last quarter, another kept small array is read by a kernel on a side stream that waits for
+/// the host's signal, four steps later, after the main stream has filled the small arrays of
+/// those steps (slots of the slab it was in, if it was handed out again): the kernel reads the
+/// array's own values.
 fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestResult {
     let name = "cuda-online";
     arena(name);
@@ -1349,6 +1353,10 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
     let mut kept: Option<[(Array<f32>, f32); 2]> = None;
     let mut kept_small: Vec<(Array<f32>, f32)> = Vec::new();
     let mut misses = 0;
+    // The side stream's reader of a small array, made before the scope's steps (its arrays are
+    // not the scope's), and what it must read.
+    let mut held = HeldCopy::new(dev, 128)?;
+    let (held_at, mut held_want) = (3 * steps / 4, None);
     for step in 0..steps {
         if step == steps / 2 {
             misses = stats(name).misses;
@@ -1391,6 +1399,25 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
             side.join(&stream)?;
             kept_small[0].0.record_stream(&side)?;
         }
+        if step == held_at {
+            // Read on the side stream once released; the array drops in the next step.
+            let (a, w) = &kept_small[1];
+            held.launch(a)?;
+            held_want = Some((a.len(), *w));
+        }
+        if step == held_at + 4
+            && let Some((len, w)) = held_want.take()
+        {
+            // The small arrays of the steps since are filled (the host waited for them).
+            stream.synchronize()?;
+            held.release()?;
+            let out = held.out.to_vec()?;
+            assert!(
+                out[..len].iter().all(|&x| x == w),
+                "the side stream read {:?}, not the array's {w}",
+                &out[..len.min(4)]
+            );
+        }
         let outputs = [
             made(draw(1024, 16 * 1024), v + 90.0)?,
             made(draw(1024, 16 * 1024), v + 91.0)?,
@@ -1406,6 +1433,7 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
         }
         kept = Some(outputs);
     }
+    assert!(held_want.is_none(), "the side stream's reader was checked");
     if caching() {
         let grown = stats(name).misses - misses;
         assert!(grown <= 4, "{grown} device allocations in the second half");

@@ -15,6 +15,10 @@
 //! * [`Model::detach`]: `DeviceArena::detach` (owner, lock held): with `views()` at 0 the block
 //!   is taken back at once; else [`ArenaBlock::retire`], and the block is taken back if that
 //!   leaves no view.
+//! * [`Model::settle`]: `Plan::settle_remote_drops` and `DeviceArena::settle_slabs` (owner, lock
+//!   held, at a step's end and when the stats are read): a block still the cache's whose
+//!   `views()` read 0 has every position, or every slot of a slab, free again, those of arrays
+//!   dropped on other threads included, and the next arrays use their bytes.
 //!
 //! Every model checks that exactly one party takes the block back, that it does so only once
 //! every view is gone (a count of the views alive reads zero), and, through loom `UnsafeCell`s
@@ -135,6 +139,24 @@ impl<const N: usize> Model<N> {
         }
         self.take_back();
         false
+    }
+
+    /// `Plan::settle_remote_drops`, `DeviceArena::settle_slabs` (owner, lock held, the block
+    /// not retired): when no view is alive, every position (or slot) is free again, and its
+    /// bytes serve the next arrays (written here). Returns whether it settled.
+    fn settle(&self) -> bool {
+        let counts = self.counts();
+        assert!(!counts.is_retired(), "a block settled is the cache's");
+        if counts.views() != 0 {
+            return false;
+        }
+        assert_eq!(self.alive.load(Relaxed), 0, "settled with a view alive");
+        for bytes in &self.bytes {
+            // SAFETY: every view of the block is gone, so its bytes are the owner's to hand
+            // out again; loom checks that every view's use is ordered before.
+            bytes.with_mut(|b| unsafe { *b = 0 });
+        }
+        true
     }
 
     /// What the party whose count said "no view left" does: takes the block back (counted
@@ -291,6 +313,49 @@ fn loom_solo_block_reissued_through_its_kept_view() {
         let other = Arc::clone(&m);
         let t = thread::spawn(move || other.drop_on_other(0, view));
         t.join().unwrap();
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// A slab's step end (or a plan's) while another thread drops a view of it: the owner's view
+/// dropped, `settle` frees every slot if it sees the other drop, else a later one does (after
+/// the join, as a later step's end would); the slot of the array dropped elsewhere then serves
+/// a new array, and the block, still the cache's, is taken back at once when detached.
+#[test]
+fn loom_block_settled_when_remote_drops_are_seen() {
+    model("block_settled_when_remote_drops_are_seen", || {
+        let m = Arc::new(Model::<2>::new());
+        let (a, b) = (m.make_view(0), m.make_view(1));
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(1, b));
+        m.drop_on_owner(0, a);
+        // Frees every slot if the other drop is seen (its use ordered before, loom checks).
+        m.settle();
+        t.join().unwrap();
+        assert!(m.settle(), "no view alive after the join");
+        let c = m.make_view(1);
+        m.drop_on_owner(1, c);
+        assert!(!m.detach(), "no view alive: taken back at once");
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// A settle while the owner still holds a view and another thread drops one: nothing is freed
+/// (the owner's array holds its slot, whatever the other thread did); once the owner's array
+/// drops too, a later settle frees every slot, after both uses.
+#[test]
+fn loom_block_not_settled_while_a_view_lives() {
+    model("block_not_settled_while_a_view_lives", || {
+        let m = Arc::new(Model::<2>::new());
+        let (a, b) = (m.make_view(0), m.make_view(1));
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(1, b));
+        assert!(!m.settle(), "settled under the owner's view");
+        m.drop_on_owner(0, a);
+        let early = m.settle();
+        t.join().unwrap();
+        assert!(early || m.settle(), "no view alive after the join");
+        assert!(!m.detach(), "no view alive: taken back at once");
         Arc::try_unwrap(m).ok().unwrap().finish();
     });
 }

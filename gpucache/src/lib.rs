@@ -406,7 +406,8 @@
 //! In a planned cache ([`KeyPolicy::Planned`]) an array served from the plan or a spare is
 //! recorded as a hit and one that needed a new block as a miss, each with the array's bytes and
 //! address (and no key), the plan's block when it is allocated as
-//! [`EventKind::PlanBlock`](trace::EventKind::PlanBlock), a drop as back to the cache (or
+//! [`EventKind::PlanBlock`](trace::EventKind::PlanBlock), a slab of small arrays as
+//! [`EventKind::SlabBlock`](trace::EventKind::SlabBlock), a drop as back to the cache (or
 //! returned, from another thread), and a block given back to the device as a device free, so a
 //! trace of planned caches replays.
 //!

@@ -2,7 +2,9 @@
 //! make.
 
 use crate::backend::VIEWS_MADE;
-use crate::cache::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, SLABS_MADE};
+use crate::cache::{
+    MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, SLAB_BYTES, SLABS_MADE,
+};
 use std::sync::Arc;
 
 use crate::testing::{BackendGuard, CountingBackend, use_backend};
@@ -1231,7 +1233,8 @@ fn steps_served_online_survive_remote_drops_empty_cache_and_refusals() {
 /// small array when its array drops, in its step, in the next (kept as an output), or on
 /// another thread (once the slab is unused). So the steps make one slab for eleven small
 /// arrays alive at once, and no more, and stay online; every value is what was written; a cap
-/// on the cached bytes evicts an unused slab; and `invalidate` gives every byte back.
+/// on the cached bytes evicts an unused slab (the next one made is recorded as a slab); and
+/// `invalidate` gives every byte back.
 #[test]
 fn small_arrays_online_get_slots_of_a_slab_kept_for_the_next() {
     let name = "unit-online-tiny";
@@ -1326,13 +1329,33 @@ fn small_arrays_online_get_slots_of_a_slab_kept_for_the_next() {
     );
     assert!(crate::stats(name).evictions > evictions);
     let (before, hits_misses) = (slabs(), counted());
+    // Recorded: the new slab shows as what it is.
+    crate::trace::start().expect("no other recording in the unit tests");
     {
         let _scope = crate::enter(name);
         let a = filled(16, 5);
         assert!(holds(&a, 5));
     }
+    let trace = crate::trace::stop().expect("recording");
     assert_eq!(slabs(), before + 1, "a small array after the eviction");
     assert_eq!(counted(), (hits_misses.0, hits_misses.1 + 1), "a miss");
+    let mine = |kind| {
+        let events = trace.events().iter();
+        let mine = events.filter(|e| e.kind == kind && e.cache.as_deref() == Some(name));
+        mine.map(|e| e.bytes).collect::<Vec<_>>()
+    };
+    use crate::trace::EventKind::{Miss, PlanBlock, SlabBlock};
+    assert_eq!(
+        mine(SlabBlock),
+        [SLAB_BYTES],
+        "the slab, recorded as a slab"
+    );
+    assert_eq!(mine(Miss), [64], "the miss, of the array's bytes");
+    assert!(mine(PlanBlock).is_empty());
+    let mut json = Vec::new();
+    trace.write_chrome(&mut json).expect("written to memory");
+    let json = String::from_utf8(json).expect("JSON is text");
+    assert_eq!(json.matches("\"name\":\"slab block\"").count(), 1, "{json}");
     drop(kept);
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");

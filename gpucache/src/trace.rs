@@ -34,9 +34,9 @@
 //!
 //! Open a saved trace at <https://ui.perfetto.dev> ("Open trace file") or in `chrome://tracing`:
 //! each thread is a track with its scopes as slices and instant events for misses, the blocks of
-//! plans, device frees, invalidations, evictions, `empty_cache`, out-of-memory and returns from
-//! other threads;
-//! counter tracks show the bytes in use and cached per device and per cache.
+//! plans and slabs, device frees, invalidations, evictions, `empty_cache`, out-of-memory and
+//! returns from other threads; counter tracks show the bytes in use and cached per device and
+//! per cache.
 //!
 //! # Events and their cost
 //!

@@ -278,10 +278,11 @@
 //!
 //! # Stats and recorded events
 //!
-//! A plan hit or a spare is a hit; a new solo block or plan block a miss (one device
-//! allocation). The bytes of a plan's block that no array uses, and spares, count as cached.
-//! While recording ([`crate::trace`]) a hit and a miss are recorded with the array's bytes and
-//! address, the plan's block when it is allocated ([`EventKind::PlanBlock`]), a drop as back to
+//! A plan hit, a spare or a slab's slot is a hit; a new solo block, plan block or slab a miss
+//! (one device allocation). The bytes of a plan's block that no array uses, spares, and a slab's
+//! free slots count as cached. While recording ([`crate::trace`]) a hit and a miss are recorded
+//! with the array's bytes and address, the plan's block when it is allocated
+//! ([`EventKind::PlanBlock`]), a slab when it is ([`EventKind::SlabBlock`]), a drop as back to
 //! the cache (or returned, from another thread), and every block given back to the device.
 
 pub(super) mod block;
@@ -3042,6 +3043,9 @@ impl CacheState {
         {
             // Every slot is free: the whole slab cached, as a plan's new block is.
             cached(st, a.gauge, block.bytes());
+            if record::on() {
+                note_block(st, a.gauge, &a.trace, EventKind::SlabBlock, &block);
+            }
             a.slabs.push(Slab::new(ArenaBlock::new(block, generation)));
             let k = a.slabs.len() - 1;
             if let Some(got) = a.slab_slot(st, k, req, rec) {

@@ -72,6 +72,7 @@ pub(super) fn write(trace: &Trace, out: impl Write) -> io::Result<()> {
                 let (name, scope) = match kind {
                     EventKind::Miss => ("miss", 't'),
                     EventKind::PlanBlock => ("plan block", 't'),
+                    EventKind::SlabBlock => ("slab block", 't'),
                     EventKind::DeviceFree => ("device free", 't'),
                     EventKind::Invalidate => ("invalidate", 't'),
                     EventKind::Evict => ("evict", 't'),

@@ -63,6 +63,11 @@ pub enum EventKind {
     /// views of it at planned offsets: the allocation that made it is recorded as a miss (of the
     /// array's bytes), later ones as hits.
     PlanBlock,
+    /// A planned cache allocated a *slab* (`bytes`) from the device: a block of slots, one per
+    /// small array (at most 512 bytes) of the steps it serves online once their block has grown
+    /// around such arrays. The allocation that made it is recorded as a miss (of the array's
+    /// bytes), the slots taken later as hits.
+    SlabBlock,
     /// The cache's bytes changed without an allocation or a free: buffers dropped in a scope
     /// became free at its exit, work on other streams completed, buffers returned by other
     /// threads were taken in. Also the reading of every cache when recording starts.

@@ -24,7 +24,7 @@ use crate::backend::Block;
 pub(super) const SLOTS: usize = 128;
 
 /// The bytes of a slab: [`SLOTS`] of [`SMALL`] bytes (64 KiB).
-pub(super) const SLAB_BYTES: usize = SLOTS * SMALL;
+pub(crate) const SLAB_BYTES: usize = SLOTS * SMALL;
 
 /// The most slabs a device's planned cache keeps (8,192 small arrays alive at once, 4 MiB): past
 /// them, small arrays go to the online block as any other.

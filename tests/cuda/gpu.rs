@@ -386,17 +386,32 @@ impl HeldCopy {
     /// Launches the copy of `x` on B, after the thread's current stream, and marks `x` as used
     /// on B.
     fn launch(&mut self, x: &Array<f32>) -> TestResult {
+        self.launch_reading(x, true)
+    }
+
+    /// As [`HeldCopy::launch`], with `x` passed as a plain device pointer: cudarc records no
+    /// event of B's read on `x`, so `record_stream` alone orders its reuse after B (as for a
+    /// library that takes raw pointers, or a context without cudarc's event tracking).
+    fn launch_untracked(&mut self, x: &Array<f32>) -> TestResult {
+        self.launch_reading(x, false)
+    }
+
+    /// The copy of `x` on B, `x` passed as itself (`tracked`: cudarc records B's read on it) or
+    /// as its device address.
+    fn launch_reading(&mut self, x: &Array<f32>, tracked: bool) -> TestResult {
         self.side.join(&current(x.device()))?; // B sees x's contents
-        let len = x.len() as u32;
+        let (x_ptr, len) = (addr(x), x.len() as u32);
         let mut launch = self.side.launch_builder(&kernels(x.device()).wait_copy);
-        launch
-            .arg(&self.flag_ptr)
-            .arg(x)
-            .arg(&mut self.out)
-            .arg(&len)
-            .arg(&mut self.status);
+        launch.arg(&self.flag_ptr);
+        if tracked {
+            launch.arg(x);
+        } else {
+            launch.arg(&x_ptr);
+        }
+        launch.arg(&mut self.out).arg(&len).arg(&mut self.status);
         // SAFETY: `wait_copy` takes (const int*, const float*, float*, unsigned, int*); `flag`
-        // lives as long as `self`, x and out hold `len` elements.
+        // lives as long as `self`, x (or its address, whose buffer `record_stream` below keeps
+        // from reuse until B's work is done) and out hold `len` elements.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (1, 1, 1),
@@ -701,6 +716,66 @@ fn an_arena_block_is_reused_only_after_a_marked_stream(dev: Device) -> TestResul
         host,
         "B read x's values, not what A wrote later"
     );
+    gpucache::invalidate(name);
+    Ok(())
+}
+
+/// An array of a plan's block used on a side stream (`record_stream`, the use itself not
+/// tracked by cudarc's events: a plain pointer), then dropped on another thread, where the
+/// owner learns only that a view of the block is gone (not which bytes): the
+/// next step's array at its position is written on the owner's stream only after the side
+/// stream's work queued before the drop. The side stream's reader waits for the host's signal,
+/// given once the next step's kernel over the same bytes has run (or 200 ms after it was queued,
+/// when it waits for the reader, as it must); it reads the first array's values. (Before that
+/// was ordered, the kernel ran at once, in a few microseconds, and the reader read the next
+/// step's values: three runs of three on an H200.)
+fn a_view_used_on_a_side_stream_and_dropped_on_another_thread_waits_for_it(
+    dev: Device,
+) -> TestResult {
+    let name = "cuda-arena-remote-marked";
+    arena(name);
+    let main = current(dev);
+    let n = 1 << 16;
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
+    let mut held = HeldCopy::new(dev, n)?;
+    // The plan: one array of n floats a step, dropped in it.
+    for _ in 0..2 {
+        let _scope = enter(name);
+        drop(Array::<f32>::zeros(dev, n)?);
+    }
+    let misses = stats(name).misses;
+    let x_addr;
+    {
+        let _scope = enter(name);
+        let x = Array::from_slice(dev, &host, n)?;
+        x_addr = addr(&x);
+        held.launch_untracked(&x)?;
+        std::thread::spawn(move || drop(x))
+            .join()
+            .expect("dropped on another thread");
+    }
+    {
+        let _scope = enter(name);
+        let mut y = Array::<f32>::empty(dev, n)?;
+        if caching() {
+            assert_eq!(addr(&y), x_addr, "the plan serves y at x's position");
+            assert_eq!(
+                stats(name).misses,
+                misses,
+                "x and y are views of the plan's block"
+            );
+        }
+        fill(&main, &mut y, -1.0)?;
+        let filled = main.record_event(None)?;
+        let queued = std::time::Instant::now();
+        while !filled.is_complete() && queued.elapsed() < std::time::Duration::from_millis(200) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(held.release()?, 1, "B waited for the flag");
+        main.synchronize()?;
+        assert_eq!(held.out.to_vec()?, host, "B read x's values, not y's");
+        assert!(y.to_vec()?.iter().all(|&v| v == -1.0));
+    }
     gpucache::invalidate(name);
     Ok(())
 }
@@ -1454,6 +1529,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     trace_events_carry_the_stream,
     arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
     an_arena_block_is_reused_only_after_a_marked_stream,
+    a_view_used_on_a_side_stream_and_dropped_on_another_thread_waits_for_it,
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     a_loss_kept_past_its_step_keeps_its_values_in_the_block_the_next_plan_keeps,
     prompt_and_decoding_steps_compute_on_their_own_plans,

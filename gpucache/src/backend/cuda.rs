@@ -504,6 +504,27 @@ impl CudaBuf {
         true
     }
 
+    /// A view of this buffer used on other streams ([`CudaBuf::hand_marks_to`]) was dropped on
+    /// a thread that is not the buffer's owner, which learns only that a view of it is gone
+    /// (not which bytes it held) and may hand those bytes out again once it counts no view
+    /// alive: the owner's stream waits here, from the dropping thread, for the work queued so
+    /// far on every stream the buffer is marked with, so that its next use of any of the bytes
+    /// comes after that work. The marks stay, for when the buffer is freed. A failure to order
+    /// is recorded in the context and the marked stream waited for on the host instead.
+    ///
+    /// The caller holds a view of the buffer (its count is not yet released), so the owner is
+    /// not changing the buffer's stream meanwhile (it does so only with no view alive).
+    pub(crate) fn order_after_marks(&self) {
+        let marked = self.marked.lock();
+        for stream in marked.iter() {
+            if let Err(e) = self.stream.join(stream) {
+                let ctx = stream.context();
+                ctx.record_err::<()>(Err(e));
+                ctx.record_err(stream.synchronize());
+            }
+        }
+    }
+
     /// cudarc's slice of the whole buffer.
     pub(crate) fn slice(&self) -> &CudaSlice<u8> {
         &self.slice

@@ -3711,10 +3711,17 @@ impl CacheCell {
                 // Before the count: once it is down, the cell may go.
                 cell.note_view_dropped(EventKind::Returned, n);
             }
+            // SAFETY: the block is alive until this view is counted down (below).
+            let counts = unsafe { arena.as_ref() };
+            // Used on other streams: the owner, which will hand its bytes out again without
+            // learning that (it only counts the view gone), must use them after that work.
+            // Before the count, while the view holds the block.
+            #[cfg(feature = "cuda")]
+            if tainted && let Some(parent) = counts.block.cuda() {
+                parent.order_after_marks();
+            }
             // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.
             unsafe { view.drop_view() };
-            // SAFETY: as above.
-            let counts = unsafe { arena.as_ref() };
             if counts.release_view() {
                 let home = Home {
                     generation: counts.generation,

@@ -1015,6 +1015,15 @@ fn new_view(arena: BlockPtr, offset: usize) -> Result<Block> {
     unsafe { counts.block.view(owner, offset, span) }
 }
 
+/// The array of a view of `size` aligned bytes dropped on the owner thread: its bytes leave
+/// `in_use` (a plan's or a slab's) and count as cached again (in gauge `g` of `st`), as
+/// [`counted`] moved them the other way.
+#[inline]
+fn uncounted(in_use: &mut usize, st: &Counters, g: GaugeIx, size: usize) {
+    *in_use -= size;
+    cached(st, g, size);
+}
+
 /// The hit path's view for an array of `bytes` bytes (`size` aligned) at position `pos` (at
 /// `offset`) of a plan's block `arena`, whose kept views are `views`, loose ones `loose`, and
 /// whose bytes in use `in_use` counts, counted (in gauge `g` of `st`) as in use: the view kept
@@ -3276,8 +3285,7 @@ impl CacheState {
         }
         // SAFETY: a view of the block was alive until now, so the block is.
         unsafe { arena.as_ref() }.uncount_view();
-        plan.in_use -= size;
-        cached(st, a.gauge, size);
+        uncounted(&mut plan.in_use, st, a.gauge, size);
         let rec = plan.layout.dropped_now(pos, a.tick);
         if let Some(r) = a.record.get_mut(rec as usize) {
             r.end = a.tick;
@@ -3322,10 +3330,9 @@ impl CacheState {
                 counts.uncount_view();
                 // A block that is not retired is a slab (a small array of a step served
                 // online), else its plan's.
+                let size = view_size(bytes);
                 if let Some(slab) = a.slabs.iter_mut().find(|s| s.arena == arena) {
-                    let size = view_size(bytes);
-                    slab.in_use -= size;
-                    cached(st, a.gauge, size);
+                    uncounted(&mut slab.in_use, st, a.gauge, size);
                     rec = pos - GAP_BASE;
                     if tainted {
                         // Its bytes wait for the other stream's work: the slot stays taken, and
@@ -3336,9 +3343,7 @@ impl CacheState {
                         slab.put(slot, view);
                     }
                 } else if let Some(plan) = &mut a.plan {
-                    let size = view_size(bytes);
-                    plan.in_use -= size;
-                    cached(st, a.gauge, size);
+                    uncounted(&mut plan.in_use, st, a.gauge, size);
                     rec = if escaped && let Some(range) = plan.unpin(home) {
                         // Pinned (made in an earlier step, so escaped: the common drop, of
                         // this step's array, does not look): its bytes join the gaps, if open,

@@ -150,25 +150,27 @@ impl<const N: usize> Model<N> {
         if counts.views() != 0 {
             return false;
         }
-        assert_eq!(self.alive.load(Relaxed), 0, "settled with a view alive");
+        self.reuse_bytes("settled");
+        true
+    }
+
+    /// Every view of the block is gone (`what` says how the caller learned it): its bytes are
+    /// the caller's to hand out again, and are written here; loom checks that every view's use
+    /// is ordered before.
+    fn reuse_bytes(&self, what: &str) {
+        assert_eq!(self.alive.load(Relaxed), 0, "{what} with a view alive");
         for bytes in &self.bytes {
-            // SAFETY: every view of the block is gone, so its bytes are the owner's to hand
-            // out again; loom checks that every view's use is ordered before.
+            // SAFETY: the cell stands for the block's bytes, the caller's now; loom checks
+            // that no access to it is unordered with this one.
             bytes.with_mut(|b| unsafe { *b = 0 });
         }
-        true
     }
 
     /// What the party whose count said "no view left" does: takes the block back (counted
     /// here; see `finish`) and reuses its bytes.
     fn take_back(&self) {
-        assert_eq!(self.alive.load(Relaxed), 0, "taken back with a view alive");
         assert_eq!(self.taken.fetch_add(1, Relaxed), 0, "taken back twice");
-        for bytes in &self.bytes {
-            // SAFETY: the block's bytes are the taker's now; loom checks that every view's
-            // use is ordered before.
-            bytes.with_mut(|b| unsafe { *b = 0 });
-        }
+        self.reuse_bytes("taken back");
     }
 
     /// After every thread has joined: the block was taken back once, and goes back.

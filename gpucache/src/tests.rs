@@ -1364,9 +1364,9 @@ fn small_arrays_online_get_slots_of_a_slab_kept_for_the_next() {
 /// Random programs of steps that never come again, served online once the shadow says so:
 /// arrays kept across steps (one to three, a third of them small, dropped early or late in the
 /// next step, or on another thread), and, once the scope is online, `invalidate` or
-/// `empty_cache` in the middle of some steps with arrays alive. Every array holds what was written when it drops, after every step
-/// the cache accounts for every byte the device holds for it, and every byte goes back at the
-/// end.
+/// `empty_cache` in the middle of some steps with arrays alive. Every array holds what was
+/// written when it drops, after every step the cache accounts for every byte the device holds
+/// for it, and every byte goes back at the end.
 #[test]
 fn random_programs_served_online_keep_every_value() {
     let (backend, _installed, _serial) = planned("unit-online-random");

@@ -400,7 +400,9 @@ impl HeldCopy {
     /// as its device address.
     fn launch_reading(&mut self, x: &Array<f32>, tracked: bool) -> TestResult {
         self.side.join(&current(x.device()))?; // B sees x's contents
-        let (x_ptr, len) = (addr(x), x.len() as u32);
+        // Its address only when passed as one (reading it records a use of x on its stream).
+        let x_ptr = if tracked { 0 } else { addr(x) };
+        let len = x.len() as u32;
         let mut launch = self.side.launch_builder(&kernels(x.device()).wait_copy);
         launch.arg(&self.flag_ptr);
         if tracked {

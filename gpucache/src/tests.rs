@@ -183,6 +183,41 @@ fn kinds_settle(
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// Two kinds of step that begin alike (their first arrays the same size): a decoding step, and
+/// now and then one that also makes arrays the next steps keep (a Whisper-style decoder
+/// projecting the encoder's output for a new request). That step follows the decoding steps'
+/// plan, leaves it, and is planned; the decoding step after it goes back to its own plan, which
+/// steps followed to their end, rather than follow the other kind's, leave it, and be planned
+/// again: one plan a round, not two.
+#[test]
+fn a_step_after_a_rarer_kind_that_begins_alike_follows_its_own_plan() {
+    let name = "unit-begins-alike";
+    let (backend, _installed, _serial) = planned(name);
+    let decode: Vec<usize> = std::iter::once(256).chain([8192; 8]).collect();
+    let mut kept: Vec<Array<u32>> = Vec::new();
+    let mut round = |r: u32| {
+        for _ in 0..3 {
+            chain_step(name, &decode);
+        }
+        let _scope = crate::enter(name);
+        let head = filled(256, 1);
+        let mut next = Vec::new();
+        for i in 0..6 {
+            chain([8192, 4096]);
+            next.push(filled(16384 + 64 * i, r));
+        }
+        drop((head, std::mem::replace(&mut kept, next)));
+    };
+    (0..3).for_each(&mut round);
+    let made = plans();
+    (3..6).for_each(&mut round);
+    assert!(kept.iter().all(|a| holds(a, 5)));
+    assert_eq!(plans() - made, 3, "one plan a round: the other kind's");
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A step much smaller than its plan that leaves it (its sizes in another order: a smaller
 /// batch whose workspaces come elsewhere) is served from the plan's block and not planned: a
 /// plan of its own would only make the next step, of another kind again, leave that one. A kind

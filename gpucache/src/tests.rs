@@ -551,6 +551,58 @@ fn a_block_outgrown_under_an_array_kept_past_its_step_grows_in_place() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A step that leaves its plan keeps arrays it made in the plan's block past its end, for many
+/// steps, and they hold most of the block (a Whisper-style decoder's keys and values of the
+/// encoder's output, made for a request in the step after the encoder's, which left the
+/// encoder's plan): the next plan keeps the block under them, placed in its free bytes around
+/// them, the block grown by what those lack, rather than the block being retired under them
+/// (held until they drop, most of it theirs) and the next plan's block made beside it.
+#[test]
+fn a_block_mostly_held_by_arrays_kept_past_the_step_is_kept_under_them() {
+    let name = "unit-kept-most";
+    let (backend, _installed, _serial) = planned(name);
+    // Blocks that grow in place, as CUDA's do (virtual memory management).
+    backend.set_growable(true);
+    // The encoder's step: eight arrays alive through it, and a chain of as large ones.
+    let encoder = || {
+        let _scope = crate::enter(name);
+        let head = filled(256, 1);
+        let xs: Vec<_> = (0..8).map(|i| filled(8192, i)).collect();
+        chain([8192; 4]);
+        assert!(xs.iter().zip(0..).all(|(x, i)| holds(x, i)));
+        drop((head, xs));
+    };
+    for _ in 0..3 {
+        encoder();
+    }
+    let held = backend.outstanding_bytes();
+    backend.reset_peak();
+    // The next step: six of those arrays kept past it (in the plan's positions), then larger
+    // ones than the plan holds.
+    let kept: Vec<Array<u32>> = {
+        let _scope = crate::enter(name);
+        let head = filled(256, 1);
+        let kept = (0..6).map(|i| filled(8192, 100 + i)).collect();
+        chain([16384; 4]);
+        drop(head);
+        kept
+    };
+    // Decoding steps, while the kept arrays live.
+    for _ in 0..6 {
+        chain_step(name, &[256, 1024, 1024, 1024, 1024]);
+    }
+    assert!(kept.iter().zip(100..).all(|(k, i)| holds(k, i)));
+    // Retired under them, the block was held beside a new one: 1.58x the bytes held before.
+    assert!(
+        backend.peak_bytes() < held + held / 4,
+        "{} bytes held at most, {held} before",
+        backend.peak_bytes()
+    );
+    drop(kept);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// Two kinds of step (a batch of 4096 and one of 16384 elements), each with a plan: a step of
 /// the first kind keeps its loss, from its plan's block, into the next step, of the second kind.
 /// That step switches to its kind's shelved plan with the loss in the block (a pin), its

@@ -128,6 +128,11 @@
 //!   gpucache cannot see. A plain cudarc `CudaSlice` passed to a captured step with tracking on
 //!   still makes the driver end the capture ([`Error::CaptureFailed`]); use gpucache arrays in
 //!   captured steps.
+//! * **Other threads.** An array of the capturing thread's caches dropped on another thread
+//!   (a result handed to a response thread) makes the array's stream wait for the events of
+//!   its uses; while that stream is being captured, the dropping thread waits until the
+//!   capture ends, then drops it. (A capturing step that waits for that other thread to drop
+//!   such an array would wait forever.)
 //! * **Caching off** (`GPUCACHE_DISABLE=1`): nothing is captured; every run is eager.
 //!
 //! ```

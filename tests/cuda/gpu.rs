@@ -768,6 +768,97 @@ fn marked_position_is_reused_after_its_stream(dev: Device, name: &str, remote: b
     Ok(())
 }
 
+/// An array of one cache's plan, read on a side stream (untracked by cudarc, marked with
+/// `record_stream`), is dropped on another thread while the owner thread captures a step of
+/// another cache on the same stream. The drop makes that stream wait for the array's uses (the
+/// events of its cudarc view, and the side stream): a stream being captured may not wait on
+/// work recorded outside the capture, so the dropping thread waits until the capture ends. The
+/// step is captured and replayed, the side stream read the array's values, and the stream is
+/// usable after. (Before the wait, the capture failed with
+/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` and the stream was left capturing: every later call
+/// on it failed, and so did the tests after this one.)
+fn a_view_dropped_on_another_thread_during_a_capture_leaves_it_whole(dev: Device) -> TestResult {
+    use gpucache::cuda::cudarc::driver::sys::CUstreamCaptureStatus;
+    use gpucache::cuda::{Ran, StepGraph};
+    let (other, name) = ("cuda-capture-remote-x", "cuda-capture-remote");
+    arena(other);
+    arena(name);
+    // A stream of its own (a graph is not captured on the default stream).
+    let stream = gpucache::cuda::context(dev)?.new_stream()?;
+    let _on = gpucache::cuda::use_stream(&stream)?;
+    let main = current(dev);
+    let n = 1 << 16;
+    let host: Vec<f32> = (0..n).map(|i| i as f32 - 0.5).collect();
+    let mut held = HeldCopy::new(dev, n)?;
+    // `other`'s plan: one array a step, dropped in it; then x at its position, kept.
+    for _ in 0..2 {
+        let _scope = enter(other);
+        drop(Array::<f32>::zeros(dev, n)?);
+    }
+    let x = {
+        let _scope = enter(other);
+        let x = Array::from_slice(dev, &host, n)?;
+        held.launch_untracked(&x)?;
+        x
+    };
+    assert_eq!(held.release()?, 1, "B saw the flag");
+    // The dropping thread tells whether the capture was on when it began to drop x.
+    let (to_drop, dropping) = std::sync::mpsc::channel::<Array<f32>>();
+    let (began, beginning) = std::sync::mpsc::channel::<bool>();
+    let watched = Arc::clone(&main);
+    let dropper = std::thread::spawn(move || {
+        for x in dropping {
+            let active = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+            let capturing = watched.capture_status().is_ok_and(|s| s == active);
+            began.send(capturing).expect("the test waits");
+            drop(x);
+        }
+    });
+    let mut x = Some(x);
+    let mut during = None;
+    let mut out = Array::<f32>::zeros(dev, n)?;
+    let mut graph = StepGraph::new(name, dev);
+    let mut ran = Vec::new();
+    for _ in 0..6 {
+        ran.push(graph.run(|| -> TestResult {
+            let mut y = Array::<f32>::empty(dev, n)?;
+            fill(&main, &mut y, 2.0)?;
+            affine(&main, &mut out, &y, 1.5, 0.0)?;
+            let active = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+            if main.capture_status()? == active
+                && let Some(x) = x.take()
+            {
+                to_drop.send(x)?;
+                during = Some(beginning.recv()?);
+                // Long enough for the drop to reach the stream while the capture is on.
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(())
+        })?);
+    }
+    drop(to_drop);
+    dropper.join().expect("the dropping thread");
+    assert_eq!(
+        during,
+        Some(true),
+        "x was dropped during the capture: {ran:?}"
+    );
+    // Three runs eager (the first records, the second makes the plan's block, the third is
+    // warm), the fourth captured, then replays.
+    assert_eq!(
+        ran[3..],
+        [Ran::Captured, Ran::Replayed, Ran::Replayed],
+        "{ran:?}"
+    );
+    main.synchronize()?;
+    main.context().check_err()?;
+    assert!(out.to_vec()?.iter().all(|&v| v == 3.0));
+    assert_eq!(held.out.to_vec()?, host, "B read x's values");
+    gpucache::invalidate(name);
+    gpucache::invalidate(other);
+    Ok(())
+}
+
 /// A step that leaves its plan without growing is served from the free bytes of the plan's
 /// block: kernels compute there with no device allocation, an array kept alive keeps its bytes,
 /// and a range used on another stream is not handed out again within the step.
@@ -1512,6 +1603,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     arena_steps_run_kernels_on_views_and_leave_escaped_arrays_alone,
     an_arena_block_is_reused_only_after_a_marked_stream,
     a_view_used_on_a_side_stream_and_dropped_on_another_thread_waits_for_it,
+    a_view_dropped_on_another_thread_during_a_capture_leaves_it_whole,
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     a_loss_kept_past_its_step_keeps_its_values_in_the_block_the_next_plan_keeps,
     prompt_and_decoding_steps_compute_on_their_own_plans,

@@ -44,7 +44,7 @@ use std::sync::{Arc, LazyLock, OnceLock};
 
 use std::sync::atomic::AtomicBool;
 
-use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream};
+use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream, CUstreamCaptureStatus};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -522,6 +522,25 @@ impl CudaBuf {
                 ctx.record_err::<()>(Err(e));
                 ctx.record_err(stream.synchronize());
             }
+        }
+    }
+
+    /// Waits on this thread while the stream of this buffer's cudarc slice is being captured
+    /// into a graph (by its owner thread, in a [`StepGraph`](crate::cuda::StepGraph)), before
+    /// this thread makes that stream wait for anything: dropping the slice makes its stream wait
+    /// for the events of the slice's uses, and [`CudaBuf::order_after_marks`] for the marked
+    /// streams, work recorded outside the capture, on which a stream being captured may not
+    /// wait. Such a wait failed the capture (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`) and left
+    /// the stream capturing, failing every later call on it. A graph is captured once, within
+    /// one run of its step, so the wait is short; an owner that waited, during the capture, for
+    /// this thread to drop the array would wait forever.
+    pub(crate) fn wait_out_capture(&self) {
+        let stream = self.slice.stream();
+        while matches!(
+            stream.capture_status(),
+            Ok(s) if s != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        ) {
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
     }
 

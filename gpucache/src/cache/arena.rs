@@ -3733,11 +3733,17 @@ impl CacheCell {
             }
             // SAFETY: the block is alive until this view is counted down (below).
             let counts = unsafe { arena.as_ref() };
+            // Not while the owner captures a graph on the streams this makes wait.
+            #[cfg(feature = "cuda")]
+            if let Some(v) = view.cuda() {
+                v.wait_out_capture();
+            }
             // Used on other streams: the owner, which will hand its bytes out again without
             // learning that (it only counts the view gone), must use them after that work.
             // Before the count, while the view holds the block.
             #[cfg(feature = "cuda")]
             if tainted && let Some(parent) = counts.block.cuda() {
+                parent.wait_out_capture();
                 parent.order_after_marks();
             }
             // SAFETY: `view` was made by `Block::view`, and its block is alive until counted.

@@ -530,10 +530,11 @@ impl CudaBuf {
     /// this thread makes that stream wait for anything: dropping the slice makes its stream wait
     /// for the events of the slice's uses, and [`CudaBuf::order_after_marks`] for the marked
     /// streams, work recorded outside the capture, on which a stream being captured may not
-    /// wait. Such a wait failed the capture (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`) and left
-    /// the stream capturing, failing every later call on it. A graph is captured once, within
-    /// one run of its step, so the wait is short; an owner that waited, during the capture, for
-    /// this thread to drop the array would wait forever.
+    /// wait. Such a wait failed the capture (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`), and every
+    /// later test of the process failed with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (a stream
+    /// left capturing). A graph is captured once, within one run of its step, so the wait is
+    /// short; an owner that waited, during the capture, for this thread to drop the array would
+    /// wait forever.
     pub(crate) fn wait_out_capture(&self) {
         let stream = self.slice.stream();
         while matches!(

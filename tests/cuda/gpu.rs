@@ -706,9 +706,9 @@ fn a_view_used_on_a_side_stream_and_dropped_on_another_thread_waits_for_it(
 /// Cache `name` planned with one array a step: the array of a step is read on a side stream
 /// (untracked by cudarc, marked with `record_stream`) and dropped within the step, on another
 /// thread if `remote`. Dropped there, the next step's array is served at its position, and its
-/// kernel runs only after the side stream's read; dropped on the owner thread, in a new block. The reader waits for the host's signal, given once that
-/// kernel has run (or 200 ms after it was queued, when it waits for the reader, as it must); it
-/// reads the first array's values.
+/// kernel runs only after the side stream's read; dropped on the owner thread, in a new block.
+/// The reader waits for the host's signal, given once that kernel has run (or 200 ms after it
+/// was queued, when it waits for the reader, as it must); it reads the first array's values.
 fn marked_position_is_reused_after_its_stream(dev: Device, name: &str, remote: bool) -> TestResult {
     arena(name);
     let main = current(dev);

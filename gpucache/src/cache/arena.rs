@@ -1631,10 +1631,10 @@ impl DeviceArena {
     /// switched in only when no array uses the block, which the layouts share (a layout knows
     /// only its own arrays), but pins of the current plan (a loss from the last step, kept until
     /// this one replaces it) in a block that holds the shelved plan: the pins stay the plan's,
-    /// and the positions over them are served apart until they drop. A step that cannot switch follows a plan of another kind, and
-    /// leaves it (ResNet-50 trained on a varying batch, its loss in the block: 1.070x of peak
-    /// live, 1.182x in the worst order, against 1.052x switching). Returns whether the block was
-    /// retired (never: no array uses it).
+    /// and the positions over them are served apart until they drop. A step that cannot switch
+    /// follows a plan of another kind, and leaves it (ResNet-50 trained on a varying batch, its
+    /// loss in the block: 1.070x of peak live, 1.182x in the worst order, against 1.052x
+    /// switching). Returns whether the block was retired (never: no array uses it).
     fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
@@ -2070,11 +2070,11 @@ impl DeviceArena {
         }
     }
 
-    /// Feeds the step that just ended to the [`online::Shadow`] (started at the first step that left
-    /// its plan), and serves the scope online from the next step on when its plans have held
-    /// more than online serving would have: the cache's peak past the shadow's block by more
-    /// than an [`ONLINE_MARGIN`]th, after at least [`ONLINE_AFTER`] steps measured, with a plan
-    /// whose block the next step can start from.
+    /// Feeds the step that just ended to the [`online::Shadow`] (started at the first step that
+    /// left its plan), and serves the scope online from the next step on when its plans have
+    /// held more than online serving would have: the cache's peak past the shadow's block by
+    /// more than an [`ONLINE_MARGIN`]th, after at least [`ONLINE_AFTER`] steps measured, with a
+    /// plan whose block the next step can start from.
     fn weigh_online(&mut self, st: &Counters) {
         if self.online || self.overflowed {
             self.shadow = None;

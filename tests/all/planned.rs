@@ -1101,15 +1101,17 @@ fn a_plan_block_the_device_cannot_give_serves_the_array_alone() {
     let allocs = backend.allocs();
     layers(name, 150, false);
     assert_eq!(backend.allocs(), allocs);
-    // When the array alone does not fit either, a typed error, and nothing held.
+    // When the array alone does not fit either, a typed error, and nothing held. (A first
+    // allocation 62.5 times the plan's first asks for the plan scaled; past 64 times the step
+    // would be of another kind, served from the block's free bytes.)
     backend.fail_nth(1);
     backend.fail_nth(2);
     backend.fail_nth(3);
     backend.fail_nth(4);
     let _scope = gpucache::enter(name);
-    let err = Array::<u8>::empty(DEV, [300, 64]).unwrap_err();
+    let err = Array::<u8>::empty(DEV, [250, 64]).unwrap_err();
     assert!(
-        matches!(err, gpucache::Error::OutOfMemory { requested, .. } if requested == 300 * 64),
+        matches!(err, gpucache::Error::OutOfMemory { requested, .. } if requested == 250 * 64),
         "{err}"
     );
     assert_eq!(backend.failures(), 6);

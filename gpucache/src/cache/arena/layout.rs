@@ -958,6 +958,16 @@ impl Layout {
         let ((asked, planned), largest) = self
             .growth(record)
             .filter(|&((a, p), _)| a > p && !(unconfirmed && a > 2 * p))?;
+        // More than [`SCALES`] times larger, in all or in its largest array, the step is of
+        // another kind than the plan (as its first allocation tells, `Layout::expected`), not
+        // the same step larger: a sequence-to-sequence server's encoder step for a longer input
+        // than any before, its first allocation larger than every plan's first, followed the
+        // decoding steps' plan and scaled it some 470 times, a block of 97 MB for a step whose
+        // arrays needed 14 MB at once (BART serving, a check log: 7.89x of its peak live bytes;
+        // 1.05x without the scale, served from the block's gaps and apart and planned after).
+        if asked > planned * SCALES || largest.0 > largest.1 * SCALES {
+            return None;
+        }
         // The largest position's ratio when it grew: the step's large arrays grow as the rest
         // of the step will, where its first ones may not (a detector's images, padded to the
         // batch's largest, grew 1.69x where its feature maps grew 1.11x: RetinaNet's second
@@ -2094,8 +2104,13 @@ mod tests {
         l.forget_growth();
         assert!(
             l.scale(&[matched(1024, 2, 0)], 0, 0),
-            "a confirmed plan scales by any ratio"
+            "a confirmed plan scales fourfold"
         );
+        // More than 64 times larger: a step of another kind, not this one larger.
+        let mut l = Layout::new(&step(), None);
+        assert!(!l.scale(&[matched(256 * 65, 2, 0)], 0, 0), "65-fold");
+        l.forget_growth();
+        assert!(l.scale(&[matched(256 * 64, 2, 0)], 0, 0), "64-fold");
     }
 
     #[test]

@@ -1558,3 +1558,109 @@ fn kept_later(
         })
         .collect()
 }
+
+/// One decoding step of a server: a temporary, then each layer's cache of keys and values one
+/// token longer (`len` elements, filled with `v`), made while the step before's is alive and
+/// kept into the next step (so planned apart); the old ones are checked and dropped.
+fn decode_step(name: &str, kv: &mut Vec<(Array<u32>, u32)>, len: usize, v: u32) {
+    let _scope = crate::enter(name);
+    let x = filled(4096, v);
+    let old = std::mem::take(kv);
+    for (layer, (old, was)) in old.into_iter().enumerate() {
+        kv.push((filled(len, v + layer as u32), v + layer as u32));
+        assert!(holds(&old, was));
+    }
+    if kv.is_empty() {
+        kv.extend((0..4).map(|layer| (filled(len, v + layer), v + layer)));
+    }
+    assert!(holds(&x, v));
+}
+
+/// A server's next request, whose caches of keys and values start shorter than where the last
+/// one's ended (the size its plan recorded for them), after a longer prompt took the spares the
+/// last request left back to the device: each cache gets a block with room up to the recorded
+/// size (at most four times its own), which serves its next steps (a spare that large would
+/// have served it). With a block of its size class alone, every step crossing a class made a
+/// block for each layer (BART serving: 12 device allocations a step).
+#[test]
+fn a_shorter_cache_of_keys_and_values_gets_room_up_to_its_recorded_size() {
+    let name = "unit-kv-room-back";
+    let (backend, _installed, _serial) = planned(name);
+    // The cache's first step, which makes what later steps do not (whose plan a later step
+    // takes only when no other fits).
+    {
+        let _scope = crate::enter(name);
+        let lazy = filled(1 << 15, 3);
+        assert!(holds(&lazy, 3));
+    }
+    let mut kv = Vec::new();
+    // The first request: its caches grow to 8 K elements (32 KiB).
+    for t in 0..16u32 {
+        decode_step(name, &mut kv, 4096 + 256 * t as usize, 10 * t);
+    }
+    for (a, v) in kv.drain(..) {
+        assert!(holds(&a, v));
+    }
+    // A prompt far larger than anything held before: the spares the request left go back.
+    {
+        let _scope = crate::enter(name);
+        let p = filled(1 << 20, 5);
+        assert!(holds(&p, 5));
+    }
+    let frees = backend.frees();
+    assert!(frees > 0, "the prompt freed the spares");
+    // The next request, from 2 K elements on.
+    let allocs = backend.allocs();
+    for t in 0..16u32 {
+        decode_step(name, &mut kv, 2048 + 256 * t as usize, 1000 + 10 * t);
+    }
+    let made = backend.allocs() - allocs;
+    // Two blocks a layer at most: the step's caches and the step before's are alive at once.
+    assert!(made <= 8, "{made} device allocations in the second request");
+    drop(kv);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
+/// A device allocation that would take the cache past the most it has held frees spares first,
+/// the fewest that make room: the largest first when no one spare does. Freed oldest first,
+/// a server's many small blocks of keys and values went before the large blocks of the last
+/// request's encoder output, and the next request made each small one again.
+#[test]
+fn spares_go_back_largest_first_when_none_makes_room_alone() {
+    let name = "unit-spares-largest";
+    let (backend, _installed, _serial) = planned(name);
+    // Eight small arrays, then two large ones, kept past their step: solo blocks.
+    let kept: Vec<(Array<u32>, u32)> = {
+        let _scope = crate::enter(name);
+        let small = (0..8).map(|v| (filled(1024, v), v));
+        small
+            .chain((8..10).map(|v| (filled(1 << 14, v), v)))
+            .collect()
+    };
+    // Dropped in the next step: ten spares, the small ones the oldest.
+    {
+        let _scope = crate::enter(name);
+        for (a, v) in kept {
+            assert!(holds(&a, v));
+        }
+    }
+    // An array of 96 KiB past the cache's mark: a large spare alone does not make room.
+    let frees = backend.frees();
+    let big = {
+        let _scope = crate::enter(name);
+        filled(3 << 13, 11)
+    };
+    assert_eq!(backend.frees() - frees, 2, "the two large spares went back");
+    // The small spares serve the small arrays of the next step.
+    let allocs = backend.allocs();
+    let small: Vec<Array<u32>> = {
+        let _scope = crate::enter(name);
+        (0..8).map(|v| filled(1024, v)).collect()
+    };
+    assert_eq!(backend.allocs(), allocs, "the small spares served them");
+    assert!(holds(&big, 11));
+    drop((big, small));
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

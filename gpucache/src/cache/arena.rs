@@ -125,9 +125,11 @@
 //! steps), the block is kept as a *spare*, for the next solo array it fits (at most four times as
 //! large as the array or as its position's recorded size, so that a server's shorter request takes
 //! the blocks a longer one left; at most twice as large as the array when a new block would take
-//! the cache past the most it has held). Spares stay until a device allocation of the cache would
-//! take it past that mark ([`DeviceArena::high`]): then they go back to the device first (the
-//! smallest that makes room alone, else the oldest, and again; small spares stay, at most
+//! the cache past the most it has held); one shorter than its recorded size (a server's next
+//! request) with room up to that size, at most four times its own, within that mark. Spares stay
+//! until a device allocation of the cache would take it past that mark ([`DeviceArena::high`]):
+//! then they go back to the device first (the smallest that makes room alone, else the largest,
+//! and again: the fewest; small spares stay, at most
 //! [`MAX_SMALL_SPARES`]), so that keeping them never raises the cache's peak by more than 32 KiB,
 //! and a server's next request finds its predecessor's keys and values however many steps later it
 //! comes. In a step a plan serves, a large solo block whose array dropped within the step is a
@@ -1398,13 +1400,30 @@ impl DeviceArena {
     /// grown since the plan (at most half as many bytes again), and the blocks made for it become
     /// rarer as it grows, where blocks of its size class alone were outgrown every time it crossed
     /// a class, all of its layers at once.
-    fn apart_capacity(&self, size: usize, recorded: usize) -> usize {
-        let grown = if size <= self.high / GROWN_APART_SHARE {
+    ///
+    /// An array of that share *shorter* than its recorded size (a server's next request, whose
+    /// cache starts short again) gets room up to the recorded size, at most four times its own,
+    /// when a block that large keeps the cache within the most it has held: a spare that large
+    /// would have served it ([`DeviceArena::take_spare`]), and the array likely grows back to
+    /// where the plan saw it. After a longer prompt took the last request's spares back to the
+    /// device, a block of its size class alone was outgrown at every class the cache crossed:
+    /// BART serving, recorded, made 12 device allocations a decoding step, 400 in the second
+    /// half of its steps; 129 with the room (and 87 with spares freed largest first).
+    fn apart_capacity(&self, st: &Counters, size: usize, recorded: usize) -> usize {
+        let share = size <= self.high / GROWN_APART_SHARE;
+        let grown = if share {
             size.saturating_sub(recorded).min(size / 2)
         } else {
             0
         };
-        size_class_within(size.saturating_add(grown))
+        let class = size_class_within(size.saturating_add(grown));
+        if share && recorded > class {
+            let back = size_class_within(recorded.min(size.saturating_mul(4)));
+            if !self.would_pass_high(st, back) {
+                return back;
+            }
+        }
+        class
     }
 
     /// Whether a new block of `capacity` bytes would take the cache past the most it has held
@@ -1423,22 +1442,34 @@ impl DeviceArena {
 
     /// Frees spares while a new block of `capacity` bytes would take the cache past the most it
     /// has held, so that keeping them never raises its peak: the smallest spare that makes room
-    /// alone, else the oldest, and again. Small spares stay (at most [`MAX_SMALL_SPARES`] of
-    /// [`layout::SMALL`] bytes): freeing them would save next to nothing and cost a device
-    /// allocation at the next small array the plan does not hold.
+    /// alone, else the largest (the oldest of those), and again, so that the fewest spares go
+    /// back (each is a device allocation again when an array needs it; oldest first, a server's
+    /// dozens of small blocks of keys and values went before the last request's large ones, and
+    /// the next request made each small one again: BART serving 129 -> 87 device allocations in
+    /// the second half of its recorded steps, Whisper serving 1316 -> 1224 in twelve long runs).
+    /// Small spares stay (at most [`MAX_SMALL_SPARES`] of [`layout::SMALL`] bytes): freeing them
+    /// would save next to nothing and cost a device allocation at the next small array the plan
+    /// does not hold.
     fn free_spares_for(&mut self, st: &Counters, capacity: usize) {
         loop {
             let excess = self.excess(st, capacity);
             // Small spares past the most kept (arrays apart, dropped after their step) may go.
             let smalls = self.small_spares();
             let may_go = |s: &Held| s.bytes() > layout::SMALL || smalls > MAX_SMALL_SPARES;
-            let Some(oldest) = self.spares.iter().position(may_go).filter(|_| excess > 0) else {
+            if excess == 0 {
+                return;
+            }
+            let Some(largest) = (0..self.spares.len())
+                .rev()
+                .filter(|&i| may_go(&self.spares[i]))
+                .max_by_key(|&i| self.spares[i].bytes())
+            else {
                 return;
             };
             let i = (0..self.spares.len())
                 .filter(|&i| may_go(&self.spares[i]) && self.spares[i].bytes() >= excess)
                 .min_by_key(|&i| self.spares[i].bytes())
-                .unwrap_or(oldest);
+                .unwrap_or(largest);
             let spare = self.remove_spare(i);
             self.free_cached(st, spare.into_block());
         }
@@ -2594,7 +2625,7 @@ impl CacheState {
                 // and values in decoding): their blocks leave room.
                 Serve::Apart => {
                     let recorded = a.plan.as_ref().map_or(0, |p| p.layout.recorded_apart(pos));
-                    capacity = a.apart_capacity(size, recorded);
+                    capacity = a.apart_capacity(st, size, recorded);
                     expected = size.max(recorded);
                     apart = true;
                 }

@@ -1664,3 +1664,45 @@ fn spares_go_back_largest_first_when_none_makes_room_alone() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// An array more than 64 times the recorded size of the position apart it is matched with is
+/// another array (a request's first decoding step matched the keys and values of the encoder's
+/// output, 2.2 MiB, with a position apart where the step it was planned from made a token's, 1.5
+/// KiB): it gets a block of its size class, not room to grow as the position's array would.
+/// With half its size again, Whisper serving's blocks for the encoder's keys and values took the
+/// cache past its high-water mark at every request (1.273x -> 1.206x of peak live, recorded).
+#[test]
+fn an_array_far_larger_than_its_position_apart_gets_no_room_to_grow() {
+    let name = "unit-apart-another";
+    let (backend, _installed, _serial) = planned(name);
+    // The most the cache holds: 64 MiB, once.
+    {
+        let _scope = crate::enter(name);
+        let big = filled(1 << 24, 1);
+        assert!(holds(&big, 1));
+    }
+    // Steps that keep a small array (1 KiB) into the next one: a position apart.
+    let mut kept = None;
+    for t in 0..4u32 {
+        let _scope = crate::enter(name);
+        let x = filled(4096, t);
+        kept = Some(filled(256, t));
+        assert!(holds(&x, t));
+    }
+    // One whose array there is 1 MiB: a block of 1 MiB, not 1.5.
+    let held = backend.outstanding_bytes();
+    let large = {
+        let _scope = crate::enter(name);
+        let x = filled(4096, 9);
+        drop(kept);
+        let large = filled(1 << 18, 9);
+        assert!(holds(&x, 9));
+        large
+    };
+    let grew = backend.outstanding_bytes() - held;
+    assert!(grew <= (1 << 20) + (64 << 10), "{grew} bytes more held");
+    assert!(holds(&large, 9));
+    drop(large);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

@@ -434,6 +434,16 @@ const LEFT_PIN_SHARE: usize = 2;
 /// 1.061x).
 const GROWN_APART_SHARE: usize = 32;
 
+/// An array more than this many times the recorded size of the position apart it is matched
+/// with is another array than the position's, not its array grown: it gets no room to grow
+/// ([`DeviceArena::apart_capacity`]), as [`Layout::another_array`] tells another array at a placed
+/// position. A Whisper-style server's first decoding step of a request matched the encoder
+/// output's keys and values (2.2 MiB) with a position where the step it was planned from made a
+/// token's (1.5 KiB); given half their size again, their blocks took the cache past its
+/// high-water mark at every request: 1.273x of peak live recorded, 1.206x so (twelve long runs
+/// 1.200x -> 1.154x on average).
+const ANOTHER_APART: usize = 64;
+
 /// The most steps a pin is kept: a pin is named by its step's number, which wraps (at `2^32`);
 /// kept no longer than this, it is never taken for an array of a later step with the same slot
 /// (its block leaves the plan instead, retired under it, as a block another stream used does).
@@ -1393,8 +1403,9 @@ impl DeviceArena {
 
     /// The bytes of a new solo block for an array of `size` aligned bytes at a position planned
     /// apart (it outlived the recorded step) with `recorded` bytes: its size class, and, when it
-    /// grew past its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the cache
-    /// has held ([`DeviceArena::high`]), room for as much again as it grew since the plan was made,
+    /// grew past its recorded size (by at most [`ANOTHER_APART`] times) and is at most a
+    /// [`GROWN_APART_SHARE`]th of the most the cache has held ([`DeviceArena::high`]), room for
+    /// as much again as it grew since the plan was made,
     /// up to half its size. A decoder's cache of keys and values grows by a token every step and is
     /// replaced every step, so each block made for it lasts about as many steps again as it has
     /// grown since the plan (at most half as many bytes again), and the blocks made for it become
@@ -1411,7 +1422,7 @@ impl DeviceArena {
     /// half of its steps; 129 with the room (and 87 with spares freed largest first).
     fn apart_capacity(&self, st: &Counters, size: usize, recorded: usize) -> usize {
         let share = size <= self.high / GROWN_APART_SHARE;
-        let grown = if share {
+        let grown = if share && size / ANOTHER_APART <= recorded {
             size.saturating_sub(recorded).min(size / 2)
         } else {
             0

@@ -1405,12 +1405,12 @@ impl DeviceArena {
     /// apart (it outlived the recorded step) with `recorded` bytes: its size class, and, when it
     /// grew past its recorded size (by at most [`ANOTHER_APART`] times) and is at most a
     /// [`GROWN_APART_SHARE`]th of the most the cache has held ([`DeviceArena::high`]), room for
-    /// as much again as it grew since the plan was made,
-    /// up to half its size. A decoder's cache of keys and values grows by a token every step and is
-    /// replaced every step, so each block made for it lasts about as many steps again as it has
-    /// grown since the plan (at most half as many bytes again), and the blocks made for it become
-    /// rarer as it grows, where blocks of its size class alone were outgrown every time it crossed
-    /// a class, all of its layers at once.
+    /// as much again as it grew since the plan was made, up to half its size. A decoder's cache
+    /// of keys and values grows by a token every step and is replaced every step, so each block
+    /// made for it lasts about as many steps again as it has grown since the plan (at most half
+    /// as many bytes again), and the blocks made for it become rarer as it grows, where blocks
+    /// of its size class alone were outgrown every time it crossed a class, all of its layers
+    /// at once.
     ///
     /// An array of that share *shorter* than its recorded size (a server's next request, whose
     /// cache starts short again) gets room up to the recorded size, at most four times its own,
@@ -1464,12 +1464,13 @@ impl DeviceArena {
     fn free_spares_for(&mut self, st: &Counters, capacity: usize) {
         loop {
             let excess = self.excess(st, capacity);
-            // Small spares past the most kept (arrays apart, dropped after their step) may go.
-            let smalls = self.small_spares();
-            let may_go = |s: &Held| s.bytes() > layout::SMALL || smalls > MAX_SMALL_SPARES;
             if excess == 0 {
                 return;
             }
+            // Small spares past the most kept (arrays apart, dropped after their step) may go.
+            let smalls = self.small_spares();
+            let may_go = |s: &Held| s.bytes() > layout::SMALL || smalls > MAX_SMALL_SPARES;
+            // Newest first: of equal sizes, `max_by_key` takes the last, the oldest.
             let Some(largest) = (0..self.spares.len())
                 .rev()
                 .filter(|&i| may_go(&self.spares[i]))

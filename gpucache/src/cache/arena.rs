@@ -444,6 +444,14 @@ const GROWN_APART_SHARE: usize = 32;
 /// 1.200x -> 1.154x on average).
 const ANOTHER_APART: usize = 64;
 
+/// [`Layout::on_tie`]: the step took the plan over the one it had for [`Layout::followed`]
+/// alone.
+const TIE_TAKEN: u8 = 2;
+
+/// [`Layout::on_tie`]: the step before took the plan so and followed it to its end (the next
+/// step leaving it takes the preference away too).
+const TIE_FOLLOWED: u8 = 1;
+
 /// The most steps a pin is kept: a pin is named by its step's number, which wraps (at `2^32`);
 /// kept no longer than this, it is never taken for an array of a later step with the same slot
 /// (its block leaves the plan instead, retired under it, as a block another stream used does).
@@ -1670,14 +1678,18 @@ impl DeviceArena {
     /// step, both beginning with the token's embedding) are told apart only later, and the
     /// decoding steps after the rarer kind followed its plan, left it, and were planned again
     /// (Whisper's decoding, five passes longer in shuffled orders: 282 device allocations in
-    /// the second halves of twelve runs, 121 so). Then the current plan. A shelved plan is
-    /// switched in only when no array uses the block, which the layouts share (a layout knows
-    /// only its own arrays), but pins of the current plan (a loss from the last step, kept until
-    /// this one replaces it) in a block that holds the shelved plan: the pins stay the plan's,
-    /// and the positions over them are served apart until they drop. A step that cannot switch
-    /// follows a plan of another kind, and leaves it (ResNet-50 trained on a varying batch, its
-    /// loss in the block: 1.070x of peak live, 1.182x in the worst order, against 1.052x
-    /// switching). Returns whether the block was retired (never: no array uses it).
+    /// the second halves of twelve runs, 121 so). Unless a step took it for that alone and
+    /// it or the next step left it ([`Layout::followed`]): then the two kinds that begin alike
+    /// are the steps' own and the plan's, and the steps stay on their own plan (taken again,
+    /// it was left at every step or every other, for good). Then the current plan. A shelved
+    /// plan is switched in only when no array uses the block, which the layouts share (a
+    /// layout knows only its own arrays), but pins of the current plan (a loss from the last
+    /// step, kept until this one replaces it) in a block that holds the shelved plan: the pins
+    /// stay the plan's, and the positions over them are served apart until they drop. A step
+    /// that cannot switch follows a plan of another kind, and leaves it (ResNet-50 trained on a
+    /// varying batch, its loss in the block: 1.070x of peak live, 1.182x in the worst order,
+    /// against 1.052x switching). Returns whether the block was retired (never: no array uses
+    /// it).
     fn choose_plan(&mut self, st: &Counters, size: usize) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
@@ -1685,16 +1697,17 @@ impl DeviceArena {
         // Fitting first, then one not made from a cold start (a first step allocates what
         // later steps do not), then the tightest; else, again not from a cold start first,
         // the largest. Between plans whose first allocations are the same size, one that a
-        // step followed to its end.
+        // step followed to its end ([`Layout::followed`]).
         let rank = |l: &Layout| {
             let first = l.first_size();
             if size <= first {
-                (false, l.cold, first, !l.confirmed)
+                (false, l.cold, first, !l.followed)
             } else {
-                (true, l.cold, usize::MAX - first, !l.confirmed)
+                (true, l.cold, usize::MAX - first, !l.followed)
             }
         };
-        let mut best = rank(&plan.layout);
+        let current = rank(&plan.layout);
+        let mut best = current;
         let mut pick = None;
         for (i, s) in self.shelf.iter().enumerate() {
             let r = rank(&s.layout);
@@ -1725,6 +1738,9 @@ impl DeviceArena {
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
         shelved.used = self.step;
+        if (best.0, best.1, best.2) == (current.0, current.1, current.2) {
+            plan.layout.on_tie = TIE_TAKEN;
+        }
         plan.loose.set_cap(loose_cap(&plan.layout, &self.shelf));
         if plan.block.is_some() {
             // No array but the pins uses the block: what else is still counted in use was
@@ -2273,7 +2289,24 @@ impl DeviceArena {
         let mut followed = false;
         if let Some(plan) = &mut self.plan {
             plan.settle_remote_drops(st, self.gauge);
-            plan.layout.confirmed |= !self.diverged && plan.layout.reached_end();
+            let to_end = !self.diverged && plan.layout.reached_end();
+            plan.layout.confirmed |= to_end;
+            // A plan taken on the tie and left by the step that took it or by the next one
+            // loses the preference: the two kinds that begin alike are the steps' own and the
+            // plan's (steps that took an earlier kind's plan on the tie and left it, or that
+            // followed it and left it at the next step, a kept array in its block, did so for
+            // good, a device allocation at every step or every other).
+            let l = &mut plan.layout;
+            if to_end {
+                l.followed = true;
+            } else if l.on_tie > 0 {
+                l.followed = false;
+            }
+            l.on_tie = if l.on_tie == TIE_TAKEN && to_end {
+                TIE_FOLLOWED
+            } else {
+                0
+            };
             followed = plan.layout.end_step();
             plan.whole_again();
             plan.ready = false;

@@ -971,3 +971,51 @@ fn a_longer_step_that_begins_as_an_earlier_kind_settles_on_its_own_plan() {
         repeat_step(world, Name::C, &step, false);
     });
 }
+
+/// A step that begins as an earlier kind of step and follows that kind's plan to its end, but
+/// is planned again all the same (an array of an outer scope's cache dropped in it): the earlier
+/// kind's plan was taken on the tie of first sizes at every repetition, and a new plan (and
+/// block) made at each. (Found by `a_repeated_step_settles_on_its_plan`.)
+#[test]
+fn a_step_planned_again_after_following_an_earlier_kinds_plan_settles() {
+    use Op::*;
+    let _serial = serial();
+    let lp = |times, scope, delay, keep, ops| Loop {
+        times,
+        scope,
+        grow: None,
+        scale: None,
+        delay,
+        keep,
+        ops,
+    };
+    let small = || Alloc(Dt::F32, vec![4, 4], Init::Zeros);
+    let inner = lp(
+        3,
+        Some(Name::A),
+        None,
+        Some(3),
+        vec![Exit, small(), Drop(1)],
+    );
+    let prelude = [
+        lp(1, Some(Name::B), Some((0, 0)), Some(0), vec![small()]),
+        lp(1, Some(Name::B), None, None, vec![small(), inner]),
+    ];
+    run_both(|world| {
+        let mut ops = Vec::new();
+        unroll(&prelude, &mut ops);
+        world.run(&ops);
+        let step = [StepOp::Scope(
+            Name::A,
+            vec![StepOp::Scope(
+                Name::B,
+                vec![
+                    StepOp::Alloc(Dt::F32, vec![4, 4], Init::Zeros),
+                    StepOp::Alloc(Dt::I64, vec![100], Init::Zeros),
+                    StepOp::DropNew(7),
+                ],
+            )],
+        )];
+        repeat_step(world, Name::A, &step, false);
+    });
+}

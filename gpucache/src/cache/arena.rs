@@ -1639,8 +1639,10 @@ impl DeviceArena {
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
     /// least recently used shelved plans go while the shelf is full: [`MAX_SHELVED`] plans, or
     /// [`MAX_SHELVED_POSITIONS`] positions with `layout`'s).
-    fn shelve(&mut self, layout: Layout) {
+    fn shelve(&mut self, mut layout: Layout) {
         debug_assert!(!layout.one_step(), "a layout for one step shelved");
+        // Taken again, it is watched again only if taken on the tie.
+        layout.on_tie = 0;
         let mut positions: usize = self.shelf.iter().map(|s| s.layout.len()).sum();
         while self.shelf.len() >= MAX_SHELVED
             || !self.shelf.is_empty() && positions + layout.len() > MAX_SHELVED_POSITIONS
@@ -1737,6 +1739,7 @@ impl DeviceArena {
         let pins = std::mem::take(&mut plan.pins);
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
+        shelved.layout.on_tie = 0;
         shelved.used = self.step;
         if (best.0, best.1, best.2) == (current.0, current.1, current.2) {
             plan.layout.on_tie = TIE_TAKEN;
@@ -2287,26 +2290,11 @@ impl DeviceArena {
         let mut retired = 0;
         let n = self.tick;
         let mut followed = false;
+        let mut to_end = false;
         if let Some(plan) = &mut self.plan {
             plan.settle_remote_drops(st, self.gauge);
-            let to_end = !self.diverged && plan.layout.reached_end();
+            to_end = !self.diverged && plan.layout.reached_end();
             plan.layout.confirmed |= to_end;
-            // A plan taken on the tie and left by the step that took it or by the next one
-            // loses the preference: the two kinds that begin alike are the steps' own and the
-            // plan's (steps that took an earlier kind's plan on the tie and left it, or that
-            // followed it and left it at the next step, a kept array in its block, did so for
-            // good, a device allocation at every step or every other).
-            let l = &mut plan.layout;
-            if to_end {
-                l.followed = true;
-            } else if l.on_tie > 0 {
-                l.followed = false;
-            }
-            l.on_tie = if l.on_tie == TIE_TAKEN && to_end {
-                TIE_FOLLOWED
-            } else {
-                0
-            };
             followed = plan.layout.end_step();
             plan.whole_again();
             plan.ready = false;
@@ -2321,6 +2309,26 @@ impl DeviceArena {
             }
             alive
         });
+        // The plan keeps the preference on a tie of first sizes when the step followed it to
+        // its end and it stays as it is; one taken on the tie loses it when the step that took
+        // it or the next one did not: the two kinds that begin alike are the steps' own and the
+        // plan's (steps that took an earlier kind's plan on the tie and left it, followed it
+        // and were planned again, or followed it and left it at the next step, a kept array in
+        // its block, did so for good: a device allocation at every step or every other).
+        if let Some(plan) = &mut self.plan {
+            let stays = to_end && followed && !self.replan && !tail_alive;
+            let l = &mut plan.layout;
+            if stays {
+                l.followed = true;
+            } else if l.on_tie > 0 {
+                l.followed = false;
+            }
+            l.on_tie = if l.on_tie == TIE_TAKEN && stays {
+                TIE_FOLLOWED
+            } else {
+                0
+            };
+        }
         // A block that another stream used, or whose pins are old, leaves the plan.
         let step = self.step;
         let tainted = self

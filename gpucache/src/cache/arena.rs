@@ -448,8 +448,8 @@ const ANOTHER_APART: usize = 64;
 /// alone.
 const TIE_TAKEN: u8 = 2;
 
-/// [`Layout::on_tie`]: the step before took the plan so and followed it to its end (the next
-/// step leaving it takes the preference away too).
+/// [`Layout::on_tie`]: the step before took the plan so, followed it to its end and kept it
+/// as it was (the next step not keeping it takes the preference away too).
 const TIE_FOLLOWED: u8 = 1;
 
 /// The most steps a pin is kept: a pin is named by its step's number, which wraps (at `2^32`);
@@ -1680,10 +1680,11 @@ impl DeviceArena {
     /// step, both beginning with the token's embedding) are told apart only later, and the
     /// decoding steps after the rarer kind followed its plan, left it, and were planned again
     /// (Whisper's decoding, five passes longer in shuffled orders: 282 device allocations in
-    /// the second halves of twelve runs, 121 so). Unless a step took it for that alone and
-    /// it or the next step left it ([`Layout::followed`]): then the two kinds that begin alike
-    /// are the steps' own and the plan's, and the steps stay on their own plan (taken again,
-    /// it was left at every step or every other, for good). Then the current plan. A shelved
+    /// the second halves of twelve runs, 121 so); and that the step kept as it was (not
+    /// planned again). Unless a step took it for that alone and it or the next step did not
+    /// keep it so ([`Layout::followed`]): then the two kinds that begin alike are the steps'
+    /// own and the plan's, and the steps stay on their own plan (taken again, it was left or
+    /// planned again at every step or every other, for good). Then the current plan. A shelved
     /// plan is switched in only when no array uses the block, which the layouts share (a
     /// layout knows only its own arrays), but pins of the current plan (a loss from the last
     /// step, kept until this one replaces it) in a block that holds the shelved plan: the pins

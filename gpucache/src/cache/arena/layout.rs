@@ -219,13 +219,14 @@ pub(super) struct Layout {
     pub(super) cold: bool,
     /// A step followed it from its first position to its last.
     pub(super) confirmed: bool,
-    /// A step followed it from its first position to its last, and since then neither a step
-    /// that took it for this preference alone nor the step after one that did and followed it
-    /// left it: what [`DeviceArena::choose_plan`] prefers between plans whose first
-    /// allocations are the same size.
+    /// A step followed it from its first position to its last and kept it as it was (not
+    /// planned again), and since then neither a step that took it for this preference alone
+    /// nor the step after one that did so kept it failed to: what
+    /// [`DeviceArena::choose_plan`] prefers between plans whose first allocations are the same
+    /// size.
     pub(super) followed: bool,
     /// Whether this step took it for that preference (`TIE_TAKEN` in the arena), or the step
-    /// before did and followed it to its end (`TIE_FOLLOWED`); else 0.
+    /// before did and kept it (`TIE_FOLLOWED`); else 0.
     pub(super) on_tie: u8,
     /// When the rest of a step that outgrew the plan was placed again ([`Layout::scale`]): the
     /// plan scaled whole, which [`Layout::whole_again`] restores ([`Layout::one_step`]).

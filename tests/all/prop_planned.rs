@@ -888,6 +888,27 @@ fn a_returned_array_from_the_plans_block_settles_one_step_later() {
     });
 }
 
+/// A loop of `times` steps in `scope` running `ops`, none of them grown or scaled, with the
+/// `DropNew` left out (`delay`) and the newest array kept (`keep`) as [`Op::Loop`] says: the
+/// preludes of the fixed programs below, which the property test shrank to.
+fn steps(
+    times: usize,
+    scope: Option<Name>,
+    delay: Option<(usize, usize)>,
+    keep: Option<usize>,
+    ops: Vec<Op>,
+) -> Op {
+    Op::Loop {
+        times,
+        scope,
+        grow: None,
+        scale: None,
+        delay,
+        keep,
+        ops,
+    }
+}
+
 /// A step that begins as a kind of step the prelude planned (its first array the same size)
 /// and keeps its last array into the next step: the prelude's plan, which steps followed to
 /// their end, was preferred over the step's own on the tie of first sizes, followed, then left
@@ -898,25 +919,17 @@ fn a_step_that_begins_as_an_earlier_kind_settles_on_its_own_plan() {
     use Op::*;
     let _serial = serial();
     let small = || Alloc(Dt::F32, vec![4, 4], Init::Zeros);
-    let step = |times, ops| Loop {
-        times,
-        scope: Some(Name::A),
-        grow: None,
-        scale: None,
-        delay: None,
-        keep: None,
-        ops,
-    };
-    let nested = Loop {
-        times: 1,
-        scope: None,
-        grow: None,
-        scale: None,
-        delay: None,
-        keep: None,
-        ops: vec![Alloc(Dt::I64, vec![100], Init::Zeros)],
-    };
-    let prelude = [step(1, vec![small()]), step(2, vec![small(), nested])];
+    let nested = steps(
+        1,
+        None,
+        None,
+        None,
+        vec![Alloc(Dt::I64, vec![100], Init::Zeros)],
+    );
+    let prelude = [
+        steps(1, Some(Name::A), None, None, vec![small()]),
+        steps(2, Some(Name::A), None, None, vec![small(), nested]),
+    ];
     run_both(|world| {
         let mut ops = Vec::new();
         unroll(&prelude, &mut ops);
@@ -938,23 +951,22 @@ fn a_step_that_begins_as_an_earlier_kind_settles_on_its_own_plan() {
 fn a_longer_step_that_begins_as_an_earlier_kind_settles_on_its_own_plan() {
     use Op::*;
     let _serial = serial();
-    let lp = |times, scope, ops| Loop {
-        times,
-        scope,
-        grow: None,
-        scale: None,
-        delay: None,
-        keep: None,
-        ops,
-    };
     let small = Alloc(Dt::F32, vec![4, 4], Init::Zeros);
     let prelude = [
-        lp(1, None, vec![lp(1, Some(Name::C), vec![small])]),
-        lp(
+        steps(
+            1,
+            None,
+            None,
+            None,
+            vec![steps(1, Some(Name::C), None, None, vec![small])],
+        ),
+        steps(
             2,
             Some(Name::A),
+            None,
+            None,
             vec![
-                lp(1, Some(Name::C), vec![Enter(Name::A)]),
+                steps(1, Some(Name::C), None, None, vec![Enter(Name::A)]),
                 Alloc(Dt::I64, vec![100], Init::Zeros),
             ],
         ),
@@ -980,17 +992,8 @@ fn a_longer_step_that_begins_as_an_earlier_kind_settles_on_its_own_plan() {
 fn a_step_planned_again_after_following_an_earlier_kinds_plan_settles() {
     use Op::*;
     let _serial = serial();
-    let lp = |times, scope, delay, keep, ops| Loop {
-        times,
-        scope,
-        grow: None,
-        scale: None,
-        delay,
-        keep,
-        ops,
-    };
     let small = || Alloc(Dt::F32, vec![4, 4], Init::Zeros);
-    let inner = lp(
+    let inner = steps(
         3,
         Some(Name::A),
         None,
@@ -998,8 +1001,8 @@ fn a_step_planned_again_after_following_an_earlier_kinds_plan_settles() {
         vec![Exit, small(), Drop(1)],
     );
     let prelude = [
-        lp(1, Some(Name::B), Some((0, 0)), Some(0), vec![small()]),
-        lp(1, Some(Name::B), None, None, vec![small(), inner]),
+        steps(1, Some(Name::B), Some((0, 0)), Some(0), vec![small()]),
+        steps(1, Some(Name::B), None, None, vec![small(), inner]),
     ];
     run_both(|world| {
         let mut ops = Vec::new();

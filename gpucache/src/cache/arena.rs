@@ -434,16 +434,6 @@ const LEFT_PIN_SHARE: usize = 2;
 /// 1.061x).
 const GROWN_APART_SHARE: usize = 32;
 
-/// An array more than this many times the recorded size of the position apart it is matched
-/// with is another array than the position's, not its array grown: it gets no room to grow
-/// ([`DeviceArena::apart_capacity`]), as [`Layout::another_array`] tells another array at a placed
-/// position. A Whisper-style server's first decoding step of a request matched the encoder
-/// output's keys and values (2.2 MiB) with a position where the step it was planned from made a
-/// token's (1.5 KiB); given half their size again, their blocks took the cache past its
-/// high-water mark at every request: 1.273x of peak live recorded, 1.206x so (twelve long runs
-/// 1.200x -> 1.154x on average).
-const ANOTHER_APART: usize = 64;
-
 /// [`Layout::on_tie`]: the step took the plan over the one it had for [`Layout::followed`]
 /// alone.
 const TIE_TAKEN: u8 = 2;
@@ -1411,14 +1401,19 @@ impl DeviceArena {
 
     /// The bytes of a new solo block for an array of `size` aligned bytes at a position planned
     /// apart (it outlived the recorded step) with `recorded` bytes: its size class, and, when it
-    /// grew past its recorded size (by at most [`ANOTHER_APART`] times) and is at most a
-    /// [`GROWN_APART_SHARE`]th of the most the cache has held ([`DeviceArena::high`]), room for
-    /// as much again as it grew since the plan was made, up to half its size. A decoder's cache
-    /// of keys and values grows by a token every step and is replaced every step, so each block
-    /// made for it lasts about as many steps again as it has grown since the plan (at most half
-    /// as many bytes again), and the blocks made for it become rarer as it grows, where blocks
-    /// of its size class alone were outgrown every time it crossed a class, all of its layers
-    /// at once.
+    /// grew past its recorded size and is at most a [`GROWN_APART_SHARE`]th of the most the
+    /// cache has held ([`DeviceArena::high`]), room for as much again as it grew since the plan
+    /// was made, up to half its size. A decoder's cache of keys and values grows by a token
+    /// every step and is replaced every step, so each block made for it lasts about as many
+    /// steps again as it has grown since the plan (at most half as many bytes again), and the
+    /// blocks made for it become rarer as it grows, where blocks of its size class alone were
+    /// outgrown every time it crossed a class, all of its layers at once. Not an array more
+    /// than [`layout::MISSING`] times its recorded size: another array than the position's, not
+    /// its array grown (a Whisper-style server's first decoding step of a request matched the
+    /// encoder output's keys and values, 2.2 MiB, with a position where the step it was planned
+    /// from made a token's, 1.5 KiB; given half their size again, their blocks took the cache
+    /// past its high-water mark at every request: 1.273x of peak live recorded, 1.206x so,
+    /// twelve long runs 1.200x -> 1.154x on average).
     ///
     /// An array of that share *shorter* than its recorded size (a server's next request, whose
     /// cache starts short again) gets room up to the recorded size, at most four times its own,
@@ -1430,7 +1425,7 @@ impl DeviceArena {
     /// half of its steps; 129 with the room (and 87 with spares freed largest first).
     fn apart_capacity(&self, st: &Counters, size: usize, recorded: usize) -> usize {
         let share = size <= self.high / GROWN_APART_SHARE;
-        let grown = if share && size / ANOTHER_APART <= recorded {
+        let grown = if share && size as u128 / layout::MISSING <= recorded as u128 {
             size.saturating_sub(recorded).min(size / 2)
         } else {
             0
@@ -1478,18 +1473,19 @@ impl DeviceArena {
             // Small spares past the most kept (arrays apart, dropped after their step) may go.
             let smalls = self.small_spares();
             let may_go = |s: &Held| s.bytes() > layout::SMALL || smalls > MAX_SMALL_SPARES;
+            let alone = (0..self.spares.len())
+                .filter(|&i| may_go(&self.spares[i]) && self.spares[i].bytes() >= excess)
+                .min_by_key(|&i| self.spares[i].bytes());
             // Newest first: of equal sizes, `max_by_key` takes the last, the oldest.
-            let Some(largest) = (0..self.spares.len())
-                .rev()
-                .filter(|&i| may_go(&self.spares[i]))
-                .max_by_key(|&i| self.spares[i].bytes())
-            else {
+            let largest = || {
+                (0..self.spares.len())
+                    .rev()
+                    .filter(|&i| may_go(&self.spares[i]))
+                    .max_by_key(|&i| self.spares[i].bytes())
+            };
+            let Some(i) = alone.or_else(largest) else {
                 return;
             };
-            let i = (0..self.spares.len())
-                .filter(|&i| may_go(&self.spares[i]) && self.spares[i].bytes() >= excess)
-                .min_by_key(|&i| self.spares[i].bytes())
-                .unwrap_or(largest);
             let spare = self.remove_spare(i);
             self.free_cached(st, spare.into_block());
         }
@@ -1639,10 +1635,8 @@ impl DeviceArena {
     /// Keeps `layout`, the plan of another kind of step, for when such a step comes again (the
     /// least recently used shelved plans go while the shelf is full: [`MAX_SHELVED`] plans, or
     /// [`MAX_SHELVED_POSITIONS`] positions with `layout`'s).
-    fn shelve(&mut self, mut layout: Layout) {
+    fn shelve(&mut self, layout: Layout) {
         debug_assert!(!layout.one_step(), "a layout for one step shelved");
-        // Taken again, it is watched again only if taken on the tie.
-        layout.on_tie = 0;
         let mut positions: usize = self.shelf.iter().map(|s| s.layout.len()).sum();
         while self.shelf.len() >= MAX_SHELVED
             || !self.shelf.is_empty() && positions + layout.len() > MAX_SHELVED_POSITIONS
@@ -1740,11 +1734,11 @@ impl DeviceArena {
         let pins = std::mem::take(&mut plan.pins);
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
-        shelved.layout.on_tie = 0;
         shelved.used = self.step;
-        if (best.0, best.1, best.2) == (current.0, current.1, current.2) {
-            plan.layout.on_tie = TIE_TAKEN;
-        }
+        // Only this swap makes a shelved plan current again: what it was watched for before
+        // counts no more.
+        let tie = (best.0, best.1, best.2) == (current.0, current.1, current.2);
+        plan.layout.on_tie = if tie { TIE_TAKEN } else { 0 };
         plan.loose.set_cap(loose_cap(&plan.layout, &self.shelf));
         if plan.block.is_some() {
             // No array but the pins uses the block: what else is still counted in use was

@@ -91,7 +91,10 @@ const SKIPPED: usize = 16 << 10;
 /// A position of at most [`SKIPPED`] bytes whose expected size is less than the allocation's by
 /// this factor is missing from the step (a quadratic size, attention scores, grows by the
 /// square of the first allocation's ratio: by 32 times more on a sequence 32 times longer).
-const MISSING: u128 = 64;
+/// An allocation larger than its position by more than this factor is another array than the
+/// position's: at a placed position, at the step's scale ([`Layout::another_array`]); at a
+/// position apart, than its recorded size (`DeviceArena::apart_capacity`).
+pub(super) const MISSING: u128 = 64;
 
 /// One allocation of a step as recorded: its aligned size, the tick before which it dropped
 /// ([`OPEN`] while alive), and the plan's position it was matched with ([`NONE`] if none).

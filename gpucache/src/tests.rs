@@ -1706,3 +1706,48 @@ fn an_array_far_larger_than_its_position_apart_gets_no_room_to_grow() {
     crate::invalidate(name);
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
+
+/// A decoder's step whose attention over the tokens so far grows by more than a thirty-second
+/// a step (its first tokens) outgrew its plan at every step, and was planned again, its block
+/// made again: once it has grown at two plans in a row, its plan has room for eight more steps
+/// of that growth (at most half of each array), and the steps after follow it.
+#[test]
+fn a_step_that_grew_at_plans_in_a_row_is_planned_ahead() {
+    let name = "unit-grows-ahead";
+    let (backend, _installed, _serial) = planned(name);
+    // A prompt step, which makes the most the cache holds (16 MiB).
+    {
+        let _scope = crate::enter(name);
+        let prompt = filled(4 << 20, 1);
+        assert!(holds(&prompt, 1));
+    }
+    // Each layer's cache of keys and values, one token longer each step, kept into the next.
+    let mut kv: Vec<(Array<u32>, u32)> = Vec::new();
+    let (plans_before, allocs_before) = (plans(), backend.allocs());
+    for t in 2..34u32 {
+        let _scope = crate::enter(name);
+        let old = std::mem::take(&mut kv);
+        for layer in 0..6 {
+            let v = 10 * t + layer;
+            let x = filled(1 << 14, v);
+            // 8 KiB a token.
+            let attention = filled(2048 * t as usize, v + 1);
+            let y = filled(1 << 14, v + 2);
+            assert!(holds(&attention, v + 1));
+            drop(attention);
+            assert!(holds(&x, v) && holds(&y, v + 2));
+            kv.push((filled(2048 * t as usize, v + 3), v + 3));
+        }
+        for (a, v) in old {
+            assert!(holds(&a, v));
+        }
+    }
+    // 7 plans and 69 device allocations; without the room, 16 and 99.
+    let made = plans() - plans_before;
+    assert!(made <= 8, "{made} plans in 32 steps");
+    let allocs = backend.allocs() - allocs_before;
+    assert!(allocs <= 80, "{allocs} device allocations in 32 steps");
+    drop(kv);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}

@@ -2374,7 +2374,8 @@ impl DeviceArena {
             self.settle_record();
             let old = self.plan.take();
             let same = old.as_ref().is_none_or(|p| {
-                p.layout.same_kind(&self.record) && !self.recurs_reordered(&p.layout)
+                (p.layout.same_kind(&self.record) || p.layout.grows_on(&self.record))
+                    && !self.recurs_reordered(&p.layout)
             });
             let merged = old.as_ref().filter(|_| same).map(|p| &p.layout);
             // Arrays still alive in the old plan's block, if it may keep them: the new plan is
@@ -2384,17 +2385,20 @@ impl DeviceArena {
                 pins.iter().flatten().map(|p| p.range.clone()).collect();
             // The block the plans may fit in, with no more memory.
             let block_bytes = old.as_ref().map_or(0, Plan::block_bytes);
-            let hint = &self.planner_hint;
+            let (hint, high) = (&self.planner_hint, self.high);
             let plan_step = |merged: Option<&Layout>, taken: &[std::ops::Range<usize>]| {
-                let layout = Layout::new_around(&self.record, merged, taken, hint, block_bytes);
+                let layout =
+                    Layout::new_around(&self.record, merged, taken, hint, block_bytes, high);
                 match merged {
                     // Merged with the old plan position by position, a plan may hold more
                     // than either (as many allocations in another arrangement: each position
-                    // takes the larger of two unrelated sizes): then the step's own plan.
+                    // takes the larger of two unrelated sizes): then the step's own plan. Not
+                    // one with room for the step's growth to go on, which holds more on
+                    // purpose.
                     Some(o) => {
                         let bound = o.footprint.max(layout::peak_live(&self.record));
-                        if layout.footprint > bound + bound / 8 {
-                            Layout::new_around(&self.record, None, taken, hint, block_bytes)
+                        if layout.footprint > bound + bound / 8 && !layout.has_room_ahead() {
+                            Layout::new_around(&self.record, None, taken, hint, block_bytes, high)
                         } else {
                             layout
                         }

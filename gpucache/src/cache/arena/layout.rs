@@ -240,6 +240,16 @@ pub(super) struct Layout {
     epoch: u32,
     /// How far [`Layout::growth`] has read the step's record, and what it found there.
     growth: Cell<Growth>,
+    /// The sizes of the step the plan was made from, by position.
+    recorded: Vec<usize>,
+    /// Plans in a row, this one the last, made from steps aligned with the plan before them that
+    /// outgrew it ([`Layout::new_around`]).
+    grew_in_a_row: u32,
+    /// The sizes of the step the plan before the first of those was made from (empty when
+    /// `grew_in_a_row` is 0): their growth is measured from there ([`growth_ahead`]).
+    grew_from: Vec<usize>,
+    /// Its positions have room for their growth to go on ([`growth_ahead`]).
+    ahead: bool,
 }
 
 /// What [`Layout::growth`] found in the first `read` allocations of the step's record. A
@@ -353,11 +363,70 @@ fn planned_size(bytes: usize, was: Option<usize>) -> usize {
     super::block::aligned(bytes.saturating_add(room)).unwrap_or(bytes)
 }
 
+/// Plans in a row made from steps that grew (each matched the plan before it position by
+/// position and outgrew it) after which a plan gets room for that growth to go on
+/// ([`growth_ahead`]).
+const GREW_IN_A_ROW: u32 = 2;
+
+/// The room for growth to go on: as many more steps of each position's average growth over the
+/// plans in a row, at most [`GROWTH_AHEAD_PART`] of the position.
+const GROWTH_AHEAD: usize = 8;
+
+/// A position's room for its growth to go on is at most this fraction of it.
+const GROWTH_AHEAD_PART: usize = 2;
+
+/// The room for growth to go on, in all, is at most this fraction of the most the cache has
+/// held: else the plan gets none.
+const GROWTH_AHEAD_SHARE: usize = 32;
+
+/// The room each position gets for its growth to go on, when a step grew at each of the
+/// [`GREW_IN_A_ROW`] or more plans in a row made from it (`grew_in_a_row`, counting the one
+/// being made) from the sizes of `grew_from` (the step before the first of them), to those of
+/// `record` (a step aligned with them, its k-th allocation at the k-th position); `None` when
+/// the step has not grown so, or when that room would be more than a [`GROWTH_AHEAD_SHARE`]th
+/// of `high`, the most the cache has held.
+///
+/// A decoder whose attention over the tokens so far grows by more than a 32nd a step (its first
+/// 32 tokens) outgrows a plan with [`planned_size`]'s room at every step, and each step was
+/// planned again and its block made again: T5's decoding log, 36 plans in its 41 steps, most of
+/// its host time (0.59x of CUDA's pool at threshold max on an H100). With room for eight more
+/// steps of each position's growth (at most half the position): 10 plans, and 131 -> 62 device
+/// allocations in the second half of its steps, for 1.388x -> 1.443x of its peak live bytes.
+/// Bounded by the most the cache has held, the room is small beside what the cache holds anyway
+/// (T5's plan, 0.4 MiB, beside its encoder's 24 MiB), and a large step that grew twice in a
+/// row (a batch of images larger at two steps, ResNet-18's input: half its size again, 1.006x
+/// -> 1.354x of its peak live bytes without the bound) gets none.
+fn growth_ahead(
+    record: &[Rec],
+    grew_from: &[usize],
+    grew_in_a_row: u32,
+    high: usize,
+) -> Option<Vec<usize>> {
+    if grew_in_a_row < GREW_IN_A_ROW || grew_from.len() != record.len() {
+        return None;
+    }
+    let room: Vec<usize> = record
+        .iter()
+        .zip(grew_from)
+        .map(|(r, &from)| {
+            let each = r.bytes.saturating_sub(from) / grew_in_a_row as usize;
+            if r.end == OPEN {
+                0
+            } else {
+                each.saturating_mul(GROWTH_AHEAD)
+                    .min(r.bytes / GROWTH_AHEAD_PART)
+            }
+        })
+        .collect();
+    let total = room.iter().fold(0usize, |t, &r| t.saturating_add(r));
+    (total <= high / GROWTH_AHEAD_SHARE).then_some(room)
+}
+
 impl Layout {
     /// [`Layout::new_around`] with no bytes taken (tests).
     #[cfg(test)]
     pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
-        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0)
+        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0, 0)
     }
 
     /// The plan of a step recorded as `record`, for a block whose byte ranges `taken` hold
@@ -369,23 +438,41 @@ impl Layout {
     /// step's size held 1.07x and 1.21x). The planner takes `hint`, what it learned from the
     /// device's last plans, and `room`, the bytes of the block the cache holds, and updates the
     /// hint ([`planner::greedy_by_size_from`]).
+    ///
+    /// A step aligned with `old` that outgrew it, made from such a step too, and so on
+    /// ([`GREW_IN_A_ROW`] plans or more in a row), gets room for its growth to go on, as long
+    /// as that room is small beside `high`, the most the cache has held ([`growth_ahead`]).
     pub(super) fn new_around(
         record: &[Rec],
         old: Option<&Layout>,
         taken: &[std::ops::Range<usize>],
         hint: &std::cell::Cell<planner::Hint>,
         room: usize,
+        high: usize,
     ) -> Layout {
         let n = record.len() as u32;
         // The same step with other sizes (a batch or a sequence of another length): its k-th
         // allocation is the plan's k-th.
-        let aligned_with = old.filter(|o| {
-            o.spots.len() == record.len()
-                && record
-                    .iter()
-                    .enumerate()
-                    .all(|(k, r)| r.planned as usize == k)
+        let aligned_with = old.filter(|o| o.aligned(record));
+        // It outgrew a placed position of the plan: a plan in a row of plans of a growing step.
+        let grew = aligned_with.filter(|o| {
+            record
+                .iter()
+                .zip(&o.spots)
+                .any(|(r, s)| !s.apart && r.end != OPEN && r.bytes > s.size)
         });
+        let (grew_in_a_row, grew_from) = match grew {
+            Some(o) if o.recorded.len() == record.len() => (
+                o.grew_in_a_row + 1,
+                if o.grew_in_a_row == 0 {
+                    o.recorded.clone()
+                } else {
+                    o.grew_from.clone()
+                },
+            ),
+            _ => (0, Vec::new()),
+        };
+        let ahead = growth_ahead(record, &grew_from, grew_in_a_row, high);
         let mut spots: Vec<Spot> = record
             .iter()
             .map(|r| {
@@ -396,12 +483,15 @@ impl Layout {
                     .filter(|s| !s.apart && (aligned_with.is_some() || near(s.size, r.bytes)));
                 let apart = r.end == OPEN;
                 let recurs = apart && matched.is_some_and(|s| s.apart);
+                let ahead = ahead.as_ref().map_or(0, |room| room[r.planned as usize]);
                 Spot {
                     offset: 0,
                     size: if apart {
                         r.bytes
                     } else {
-                        planned_size(r.bytes, was.map(|s| s.size))
+                        let size = planned_size(r.bytes, was.map(|s| s.size));
+                        super::block::aligned(r.bytes.saturating_add(ahead))
+                            .map_or(size, |ahead| size.max(ahead))
                     },
                     end: if apart { n } else { r.end.min(n) },
                     apart,
@@ -464,7 +554,36 @@ impl Layout {
             unscaled: None,
             epoch: 0,
             growth: Cell::default(),
+            recorded: record.iter().map(|r| r.bytes).collect(),
+            grew_in_a_row,
+            grew_from,
+            ahead: ahead.is_some(),
         }
+    }
+
+    /// Whether the step recorded as `record` is aligned with the plan: the same step with other
+    /// sizes, its k-th allocation matched with the k-th position, as many as there are.
+    fn aligned(&self, record: &[Rec]) -> bool {
+        self.spots.len() == record.len()
+            && record
+                .iter()
+                .enumerate()
+                .all(|(k, r)| r.planned as usize == k)
+    }
+
+    /// Whether the step recorded as `record` goes on growing the step the plan was made from: it
+    /// is aligned with the plan, which was made from a step that outgrew the plan before it. Of
+    /// the same kind whatever its count of large arrays: a decoder's arrays that grow with the
+    /// tokens cross the small arrays' bound one after the other ([`Layout::same_kind`] counts
+    /// those above it), and T5's decoding steps were planned from scratch every few steps,
+    /// each time losing what the plans in a row had learned of their growth.
+    pub(super) fn grows_on(&self, record: &[Rec]) -> bool {
+        self.grew_in_a_row > 0 && self.aligned(record)
+    }
+
+    /// Whether the plan has room for its step's growth to go on ([`growth_ahead`]).
+    pub(super) fn has_room_ahead(&self) -> bool {
+        self.ahead
     }
 
     /// Whether position `k` is placed in the plan's upper half (the middle of its range above
@@ -1675,6 +1794,7 @@ mod tests {
             std::slice::from_ref(&taken),
             &Default::default(),
             0,
+            0,
         );
         assert!((0..3).all(|k| l.spot(k).0 >= 256), "{:?}", l.spots);
         assert_eq!(l.footprint, 768 + 256);
@@ -1777,6 +1897,68 @@ mod tests {
             end,
             planned,
         }
+    }
+
+    /// A decoding step: a temporary, an attention over `t` tokens (growing by 8 KiB a token,
+    /// more than a 32nd a step while `t` is small), a temporary after it, and a cache of keys and
+    /// values kept (apart), each matched with its position (`aligned`) or not.
+    fn growing_step(t: usize, aligned: bool) -> Vec<Rec> {
+        let planned = |k| if aligned { k } else { NONE };
+        vec![
+            matched(1 << 16, 2, planned(0)),
+            matched(t << 13, 3, planned(1)),
+            matched(1 << 16, 4, planned(2)),
+            matched(t << 13, OPEN, planned(3)),
+        ]
+    }
+
+    /// A plan made in the `new_around` way, from `record`, merged with `old`.
+    fn plan(record: &[Rec], old: Option<&Layout>, high: usize) -> Layout {
+        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0, high)
+    }
+
+    #[test]
+    fn a_step_that_grew_at_plans_in_a_row_gets_room_for_its_growth_to_go_on() {
+        let high = 64 << 20;
+        let first = plan(&growing_step(8, false), None, high);
+        assert_eq!(first.spot(1).1, 8 << 13);
+        // One token more: more than a 32nd, a 256th of room (planned_size).
+        let second = plan(&growing_step(9, true), Some(&first), high);
+        assert_eq!(second.spot(1).1, (9 << 13) + 256);
+        assert!(second.grows_on(&growing_step(10, true)));
+        assert!(
+            !second.has_room_ahead(),
+            "one plan of a growing step is no row"
+        );
+        // Grown at the second plan in a row: room for eight more tokens, at most half its size.
+        let mut third = plan(&growing_step(10, true), Some(&second), high);
+        assert!(third.has_room_ahead());
+        assert_eq!(third.spot(1).1, (10 << 13) + (10 << 13) / 2);
+        // The temporaries that did not grow and the cache apart get none.
+        assert_eq!(third.spot(0).1, 1 << 16);
+        assert_eq!(third.spot(3).1, 10 << 13);
+        // Steps up to fifteen tokens fit it: no plan again for five steps.
+        assert!(!third.larger(&growing_step(15, true)));
+        third.forget_growth();
+        assert!(third.larger(&growing_step(16, true)));
+        // Growing by a 32nd or less, a step gets room for 32 such steps from its first plan
+        // (planned_size; at most an eighth), and the next one fits it: no row.
+        let slow = plan(&growing_step(200, false), None, high);
+        let slow = plan(&growing_step(201, true), Some(&slow), high);
+        assert_eq!(slow.spot(1).1, (201 << 13) + (201 << 13) / 8);
+        assert!(!slow.has_room_ahead());
+        let slow = plan(&growing_step(202, true), Some(&slow), high);
+        assert!(!slow.grows_on(&growing_step(203, true)));
+        // The same plans in a cache that has held little: that room would be more than a 32nd of
+        // it, and the plan gets none.
+        let small = 32 * (10 << 12) - 1;
+        let second = plan(&growing_step(9, true), Some(&first), small);
+        let third = plan(&growing_step(10, true), Some(&second), small);
+        assert!(!third.has_room_ahead());
+        assert_eq!(third.spot(1).1, (10 << 13) + 256);
+        // A step of another order is no row: the count starts again.
+        let other = plan(&growing_step(11, false), Some(&third), high);
+        assert!(!other.grows_on(&growing_step(12, true)));
     }
 
     #[test]

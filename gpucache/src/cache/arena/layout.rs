@@ -463,7 +463,7 @@ impl Layout {
         });
         let (grew_in_a_row, grew_from) = match grew {
             Some(o) if o.recorded.len() == record.len() => (
-                o.grew_in_a_row + 1,
+                o.grew_in_a_row.saturating_add(1),
                 if o.grew_in_a_row == 0 {
                     o.recorded.clone()
                 } else {
@@ -475,7 +475,8 @@ impl Layout {
         let ahead = growth_ahead(record, &grew_from, grew_in_a_row, high);
         let mut spots: Vec<Spot> = record
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(k, r)| {
                 // The same array: in a step aligned with the plan, or within a factor of two
                 // (else the steps' orders differ there, and a merged size would only waste).
                 let matched = old.and_then(|o| o.spots.get(r.planned as usize));
@@ -483,7 +484,7 @@ impl Layout {
                     .filter(|s| !s.apart && (aligned_with.is_some() || near(s.size, r.bytes)));
                 let apart = r.end == OPEN;
                 let recurs = apart && matched.is_some_and(|s| s.apart);
-                let ahead = ahead.as_ref().map_or(0, |room| room[r.planned as usize]);
+                let ahead = ahead.as_ref().map_or(0, |room| room[k]);
                 Spot {
                     offset: 0,
                     size: if apart {

@@ -56,9 +56,13 @@
 //! thirty-second since the last plan is planned with room for 32 more such steps (at most an
 //! eighth more): a decoder's attention over the tokens so far grows every step, and would
 //! otherwise outgrow every plan. One that grew by more is planned a 256th larger: steps whose
-//! sizes vary come again a little larger than the largest before. Nor in a step short of its
-//! plan ([`DeviceArena::short_of_plan`], a step of another kind): a position larger than planned
-//! there is out of line, and the step leaves its plan for the block's gaps.
+//! sizes vary come again a little larger than the largest before. A step that grew so at two
+//! plans in a row (aligned with each, its k-th allocation at the k-th position) is planned with
+//! room for eight more steps of each position's average growth, at most half the position, when
+//! that room is at most a 32nd of the most the cache has held (`layout::growth_ahead`: a
+//! decoder's first tokens grow its attention by more than a 32nd a step). Nor in a step short
+//! of its plan ([`DeviceArena::short_of_plan`], a step of another kind): a position larger than
+//! planned there is out of line, and the step leaves its plan for the block's gaps.
 //!
 //! Apart is the block's *tail* when it holds the array (the bytes past the plan's footprint in a
 //! block kept for a larger plan, less the pins; [`Plan::tail`]), else a solo block; so for a

@@ -409,13 +409,13 @@ fn growth_ahead(
         .iter()
         .zip(grew_from)
         .map(|(r, &from)| {
-            let each = r.bytes.saturating_sub(from) / grew_in_a_row as usize;
+            // A position apart is no part of the plan's block.
             if r.end == OPEN {
-                0
-            } else {
-                each.saturating_mul(GROWTH_AHEAD)
-                    .min(r.bytes / GROWTH_AHEAD_PART)
+                return 0;
             }
+            let each = r.bytes.saturating_sub(from) / grew_in_a_row as usize;
+            each.saturating_mul(GROWTH_AHEAD)
+                .min(r.bytes / GROWTH_AHEAD_PART)
         })
         .collect();
     let total = room.iter().fold(0usize, |t, &r| t.saturating_add(r));
@@ -461,8 +461,9 @@ impl Layout {
                 .zip(&o.spots)
                 .any(|(r, s)| !s.apart && r.end != OPEN && r.bytes > s.size)
         });
+        // An aligned plan recorded as many sizes as the step has (`growth_ahead` checks it).
         let (grew_in_a_row, grew_from) = match grew {
-            Some(o) if o.recorded.len() == record.len() => (
+            Some(o) => (
                 o.grew_in_a_row.saturating_add(1),
                 if o.grew_in_a_row == 0 {
                     o.recorded.clone()
@@ -470,7 +471,7 @@ impl Layout {
                     o.grew_from.clone()
                 },
             ),
-            _ => (0, Vec::new()),
+            None => (0, Vec::new()),
         };
         let ahead = growth_ahead(record, &grew_from, grew_in_a_row, high);
         let mut spots: Vec<Spot> = record

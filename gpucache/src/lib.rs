@@ -266,8 +266,8 @@
 //! over the peak live bytes is 1.000x on GPT-2 training, 1.005x on ResNet-50 training, 1.001x on
 //! ViT-S/16 and T5 training; 1.013x, 1.007x and 1.016x on BERT (two attention kernels) and GPT-2
 //! whose sequence length varies every batch; 1.040x, 1.040x, 1.004x and 1.016x on EfficientNet,
-//! ConvNeXt, ResNet-18 and ViT-B whose batch varies every step; 1.037x on GPT-2 decoding; and
-//! 1.27x and 1.24x on Llama-style and OPT servers alternating prompts and decoding. Exact keys
+//! ConvNeXt, ResNet-18 and ViT-B whose batch varies every step; 1.012x on GPT-2 decoding; and
+//! 1.30x and 1.10x on Llama-style and OPT servers alternating prompts and decoding. Exact keys
 //! with [`Reuse::OnExit`] hold 2.4x to 106x there, CUDA's stream-ordered pool 1.02x to 1.82x.
 //! Detectors, whose steps never come again, as recorded and replayed five times longer in
 //! shuffled orders, hold 1.08x to 1.44x: Faster R-CNN 1.08x, Keypoint R-CNN 1.15x-1.19x, Faster

@@ -65,7 +65,8 @@
 //! planned there is out of line, and the step leaves its plan for the block's gaps.
 //!
 //! Apart is the block's *tail* when it holds the array (the bytes past the plan's footprint in a
-//! block kept for a larger plan, less the pins; [`Plan::tail`]), else a solo block; so for a
+//! block kept for a larger plan, less the pins; [`Plan::tail`]), else a [`Room`]'s free range
+//! (see below), else a solo block; so for a
 //! position over pinned bytes ([`Serve::Blocked`]). The tail costs no memory (the block is held
 //! anyway) and no device allocation. It serves nothing in a step larger in all than its
 //! positions so far ([`Layout::larger`]): such a step may outgrow the block, which must then be
@@ -200,6 +201,11 @@
 //! remade, invalidated or emptied; then, if arrays of it are alive, it is *retired*: owned by
 //! those arrays, and freed by the last of them to drop. A solo block is retired from the start.
 //!
+//! A plan's block retired at a step's end under arrays that hold at least a sixteenth of it (a
+//! request's keys and values of the encoder's output) is held by the owner as a *room* (the
+//! `room` module): its free bytes serve the arrays served apart, before spares and device
+//! allocations, until no array of it is alive.
+//!
 //! A plan remade keeps its block under arrays still alive there when they are few (at most
 //! [`MAX_PINS`]), small (at most a [`PIN_SHARE`]th of the block) and all known: served this step,
 //! at a position or from the gaps (a training loop's loss, kept until the next step's replaces it,
@@ -297,6 +303,7 @@ pub(super) mod gaps;
 pub(super) mod layout;
 pub(super) mod loose;
 pub(super) mod online;
+pub(super) mod room;
 pub(super) mod slab;
 
 use std::cell::Cell;
@@ -320,6 +327,7 @@ use gaps::Gaps;
 use layout::{Layout, MAX_POSITIONS, NONE, OPEN, Rec, Serve};
 use loose::{Loose, drop_views};
 use online::MAX_ONLINE_PINS;
+use room::{MAX_ROOMS, ROOM_SHARE, Room};
 use slab::{MAX_SLABS, SLAB_BYTES, Slab};
 
 /// The most small spares a device's planned cache keeps (see
@@ -455,6 +463,8 @@ const MAX_PIN_AGE: u32 = 1 << 24;
 thread_local! {
     /// The plans made from a step's record at its end on this thread (unit tests count them).
     pub(crate) static PLANS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The retired blocks held as rooms on this thread so far.
+    pub(crate) static ROOMS_HELD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// The most positions a device's shelf held on this thread, just after a plan was shelved.
     pub(crate) static SHELVED_MOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     /// The steps served online that ended on this thread.
@@ -680,15 +690,7 @@ impl Plan {
             // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
             let bytes = unsafe { arena.as_ref() }.block.bytes();
             let tail = self.tail.take();
-            let handed = tail
-                .iter()
-                .flat_map(|t| t.handed_out())
-                .map(|(rec, offset)| {
-                    offset..offset + record.get(rec as usize).map_or(bytes, |r| r.bytes)
-                });
-            let pinned = self.pins.iter().map(|p| p.range.clone());
-            let used = self.layout.live_ranges().chain(pinned).chain(handed);
-            let mut gaps = Gaps::new(bytes, used);
+            let mut gaps = self.unused(bytes, tail.as_ref(), record);
             if let Some(tail) = tail {
                 gaps.adopt(tail);
             }
@@ -697,6 +699,44 @@ impl Plan {
             self.loosen_views();
         }
         Ok(())
+    }
+
+    /// The bytes of the plan's block (`bytes` long) that no array uses, as gaps: all but the
+    /// positions alive (those dropped on other threads too: the owner does not know), the pins,
+    /// and the ranges `tail` handed out (`record` has their sizes).
+    fn unused(&self, bytes: usize, tail: Option<&Gaps>, record: &[Rec]) -> Gaps {
+        let handed = tail
+            .iter()
+            .flat_map(|t| t.handed_out())
+            .map(|(rec, offset)| {
+                offset..offset + record.get(rec as usize).map_or(bytes, |r| r.bytes)
+            });
+        let pinned = self.pins.iter().map(|p| p.range.clone());
+        let used = self.layout.live_ranges().chain(pinned).chain(handed);
+        Gaps::new(bytes, used)
+    }
+
+    /// The free bytes of the plan's block, when it is about to leave the plan under arrays that
+    /// are not all pins (to be retired under them), no other stream used it this step, and its
+    /// last use was on the thread's current stream: a [`Room`] for the arrays served apart until
+    /// it comes back. The gaps, when the step left the plan (they hold just those bytes).
+    fn room(&mut self, record: &[Rec]) -> Option<Gaps> {
+        let arena = self.block?;
+        // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
+        let counts = unsafe { arena.as_ref() };
+        let pinned = self.pins.len() as isize;
+        if self.tainted
+            || capturing()
+            || counts.views() <= pinned
+            || !counts.block.on_current_stream()
+        {
+            return None;
+        }
+        let bytes = counts.block.bytes();
+        Some(match self.gaps.take() {
+            Some(gaps) => gaps,
+            None => self.unused(bytes, self.tail.as_ref(), record),
+        })
     }
 
     /// An offset of `size` aligned bytes in the block's tail (its bytes past the plan's
@@ -1020,19 +1060,22 @@ fn idle_or_new_view(
     }
 }
 
-/// A new view of the cache's block `arena` (a plan's block or a slab) from `offset` to its end.
+/// A new view of the cache's block `arena` (a plan's block, a slab, or a retired block held as
+/// a room) from `offset` to its end.
 fn new_view(arena: BlockPtr, offset: usize) -> Result<Block> {
-    // SAFETY: the block is the cache's, alive until the lock holder detaches it.
+    // SAFETY: the block is the cache's, alive until the lock holder detaches it (or, a room's,
+    // lets go of it).
     let counts = unsafe { arena.as_ref() };
     let span = counts.block.bytes() - offset;
     let owner: *const dyn Backend = arena.as_ptr().cast_const();
     // SAFETY: `offset < block bytes` (the layout placed the position and it fits in the
-    // footprint, the block's gaps held the range, or it is a slab's slot), `owner` is the
-    // `Arc::into_raw` pointer of the block's `Arc`, whose backend is not counted, and the block
-    // stays alive, unmoved and untouched through `&mut` while views of it live: it is prepared
-    // only with no array's view alive (kept views touch only their own state until dropped, by
-    // the lock holder, before the block goes), and freed only once no view is (`views() == 0`
-    // and kept views dropped before retirement, `shared` reaching 0 after).
+    // footprint, the block's gaps or a room's free ranges held the range, or it is a slab's
+    // slot), `owner` is the `Arc::into_raw` pointer of the block's `Arc`, whose backend is not
+    // counted, and the block stays alive, unmoved and untouched through `&mut` while views of
+    // it live: it is prepared only with no array's view alive (kept views touch only their own
+    // state until dropped, by the lock holder, before the block goes), and freed only once no
+    // view is (`views() == 0` and kept views dropped before retirement, `shared` reaching 0
+    // after; a room's idle views are dropped before its hold, one count, is let go).
     unsafe { counts.block.view(owner, offset, span) }
 }
 
@@ -1154,6 +1197,7 @@ impl DeviceArena {
             peak_most: 0,
             shadow_wait: 0,
             shadow_misses: 0,
+            rooms: Vec::new(),
         }
     }
 
@@ -1858,6 +1902,40 @@ impl DeviceArena {
         false
     }
 
+    /// [`DeviceArena::detach`], the block's free bytes `room` (see [`Plan::room`]) kept as a
+    /// [`Room`] if it is retired, while the device holds fewer than [`MAX_ROOMS`].
+    fn detach_with_room(
+        &mut self,
+        st: &Counters,
+        arena: BlockPtr,
+        in_use: usize,
+        keep: bool,
+        room: Option<Gaps>,
+    ) -> bool {
+        // SAFETY: a plan's block is the cache's until detached.
+        let counts = unsafe { arena.as_ref() };
+        let bytes = counts.block.bytes();
+        let roomy = self.rooms.len() < MAX_ROOMS && in_use.saturating_mul(ROOM_SHARE) >= bytes;
+        let Some(free) = room.filter(|_| roomy) else {
+            return self.detach(st, arena, in_use, keep);
+        };
+        // Retired, its bytes no array uses are not handed out as cached ones: in use until it
+        // comes back (a room hands them out as the block's).
+        uncached(st, self.gauge, bytes - in_use);
+        if counts.retire_held() {
+            #[cfg(test)]
+            ROOMS_HELD.with(|n| n.set(n.get() + 1));
+            self.rooms.push(Room::new(arena, free));
+            return true;
+        }
+        // Every array dropped meanwhile on another thread: it is ours again.
+        cached(st, self.gauge, bytes);
+        // SAFETY: no view is alive (counted zero, synchronised with the drops by `AcqRel`).
+        let block = unsafe { ArenaBlock::into_block(arena) };
+        self.give_up(st, block, keep);
+        false
+    }
+
     /// Takes `block`, a plan's block that no array uses, counted as cached, out of use: with
     /// `keep`, kept for the next plan's block ([`DeviceArena::given_up`]) when it can grow and
     /// no stream's work on it is pending; else freed, or while another stream may still use
@@ -2460,20 +2538,32 @@ impl DeviceArena {
             let keep_old =
                 !same || !self.outgrew && old.as_ref().is_some_and(|p| smaller(&p.layout));
             let mut loose = None;
-            let block = old.and_then(|mut old| {
-                old.loosen_views();
-                loose = Some(old.take_loose());
-                let block = old.take_block();
-                // A layout placed for the rest of its step is no plan for another; one scaled for
-                // this step, of another kind, is kept as it was before.
-                if keep_old && !old.layout.one_step() {
-                    if self.scaled {
-                        old.layout.unscale();
+            let mut room = None;
+            let block = match old {
+                Some(mut old) => {
+                    old.loosen_views();
+                    loose = Some(old.take_loose());
+                    // Arrays alive in the block that are not all to be pinned: unless it is
+                    // given back or kept, it is retired under them, with its free bytes a room.
+                    let pinned = pins.as_ref().map_or(0, Vec::len) as isize;
+                    // SAFETY: a plan's block is the cache's until detached.
+                    let views = old.block.map_or(0, |b| unsafe { b.as_ref() }.views());
+                    if views > pinned {
+                        room = old.room(&self.record);
                     }
-                    self.shelve(old.layout);
+                    let block = old.take_block();
+                    // A layout placed for the rest of its step is no plan for another; one
+                    // scaled for this step, of another kind, is kept as it was before.
+                    if keep_old && !old.layout.one_step() {
+                        if self.scaled {
+                            old.layout.unscale();
+                        }
+                        self.shelve(old.layout);
+                    }
+                    block
                 }
-                block
-            });
+                None => None,
+            };
             if let Some((b, in_use)) = block {
                 // SAFETY: a plan's block is the cache's until detached.
                 let counts = unsafe { b.as_ref() };
@@ -2500,7 +2590,8 @@ impl DeviceArena {
                     if let Some(loose) = loose.take() {
                         loose.drop_all();
                     }
-                    retired += usize::from(self.detach(st, b, in_use, !fits && !tainted));
+                    let keep = !fits && !tainted;
+                    retired += usize::from(self.detach_with_room(st, b, in_use, keep, room));
                 }
             }
             let cap = loose_cap(&layout, &self.shelf);
@@ -2797,12 +2888,74 @@ impl CacheState {
         if a.keep_gaps && a.would_pass_high(st, capacity) {
             self.live += usize::from(a.close_unused_gaps(st));
         }
+        // An array that grew past its recorded size takes room to grow there too, as its solo
+        // block would (see `DeviceArena::apart_capacity`).
+        let room_size = if capacity > size_class_within(size) {
+            capacity
+        } else {
+            size
+        };
+        if let Some(got) = self.room_view(st, i, req, pos, room_size) {
+            return got;
+        }
         let a = &mut self.arenas.devices[i];
         if let Some(held) = a.take_spare(st, size, capacity, expected, apart) {
             return self.serve_held(st, held, req, i, pos);
         }
         a.awaiting = Some(Awaiting::Solo { pos });
         a.alloc(st, capacity, false)
+    }
+
+    /// A range of one of device `i`'s [rooms](Room) serves `req`, an array apart at `pos`, a
+    /// hit: one kept with its view that holds it (at most twice `size`), else a free one of
+    /// `size` aligned bytes with a view made on the thread's current stream (where the block was
+    /// last used); the view counted as alive in the block. `None`: no room holds it (or the
+    /// thread captures a step graph).
+    fn room_view(
+        &mut self,
+        st: &Counters,
+        i: usize,
+        req: &Request<'_>,
+        pos: u32,
+        size: usize,
+    ) -> Option<Planned> {
+        if capturing() {
+            return None;
+        }
+        let a = &mut self.arenas.devices[i];
+        let step = a.step;
+        for room in &mut a.rooms {
+            let arena = room.arena;
+            // SAFETY: a room holds its block (one count of its views): alive while held.
+            let counts = unsafe { arena.as_ref() };
+            if !counts.block.on_current_stream() {
+                continue;
+            }
+            // A range kept with its view (at most twice as large), else a free one.
+            let (offset, kept) = match room.take_kept(aligned(req.bytes)?, 2 * size) {
+                Some((offset, view)) => (offset, Some(view)),
+                None => match room.take(size) {
+                    Some(offset) => (offset, None),
+                    None => continue,
+                },
+            };
+            match idle_or_new_view(kept, room.idle(), arena, offset, req.bytes) {
+                Ok(mut view) => {
+                    // SAFETY: at `offset` (kept there, or made there), reaching the range's
+                    // `req.bytes > 0` bytes, which the block holds: made just now over the rest
+                    // of the block, or kept and checked (`spans`).
+                    unsafe { view.set_view_len(req.bytes) };
+                    counts.count_held_view();
+                    add(&st.hits, 1);
+                    return Some(Planned::View(view, view_slot(pos), step));
+                }
+                Err(e) => {
+                    room.untake(offset);
+                    return Some(Planned::Failed(e));
+                }
+            }
+        }
+        None
     }
 
     /// A spare (a solo block kept for later) serves `req`, a hit: through the view it kept when
@@ -3191,6 +3344,9 @@ impl CacheState {
 
     /// The outermost scope exited: every device's step ends.
     fn end_step(&mut self, st: &Counters) {
+        for i in 0..self.arenas.devices.len() {
+            self.let_go_rooms(st, i, false);
+        }
         let retired: usize = self.arenas.devices.iter_mut().map(|a| a.end_step(st)).sum();
         self.live += retired;
         self.evict_spares(st, self.config.max_cached_bytes);
@@ -3200,6 +3356,11 @@ impl CacheState {
     /// spares, and the plans' blocks (retired while arrays of them are alive). The plans go too:
     /// the next step starts cold, and is planned again.
     pub(super) fn free_arenas(&mut self, st: &Counters, device: Option<Device>) {
+        for i in 0..self.arenas.devices.len() {
+            if device.is_none_or(|d| d == self.arenas.devices[i].device) {
+                self.let_go_rooms(st, i, true);
+            }
+        }
         let mut retired = 0;
         for a in &mut self.arenas.devices {
             if device.is_some_and(|d| d != a.device) {
@@ -3501,10 +3662,12 @@ impl CacheState {
                     unsafe { view.drop_view() };
                 }
             }
+            // Served apart: a solo block, or a room's range.
+            let apart = counts.solo || a.room_of(arena).is_some();
             if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
                 r.end = a.tick;
                 // Planned apart, yet it died in its step: the next plan places it.
-                if counts.solo
+                if apart
                     && a.plan
                         .as_ref()
                         .is_some_and(|p| p.layout.is_apart(r.planned))
@@ -3518,6 +3681,18 @@ impl CacheState {
                 }
                 return false;
             }
+        }
+        // A view of a retired block the owner holds as a room: its range is free again there
+        // (unless another stream may still use it).
+        let room = i
+            .filter(|_| !counts.solo)
+            .and_then(|i| Some((i, self.arenas.devices[i].room_of(arena)?)));
+        if let Some((i, k)) = room
+            && !tainted
+            && let Some(v) = view.take()
+        {
+            let offset = v.address() - counts.block.address();
+            self.arenas.devices[i].rooms[k].give_back_viewed(offset, view_size(bytes), v);
         }
         let (generation, solo) = (counts.generation, counts.solo);
         // A solo block's view stays with it, unless its array was used on another stream: then
@@ -3540,7 +3715,47 @@ impl CacheState {
             let block = unsafe { ArenaBlock::into_block(arena) };
             return self.take_back(st, block, generation, solo, escaped);
         }
+        // The last array of a room's block: the owner lets go of it, and takes it back.
+        if let Some((i, k)) = room
+            && counts.only_held()
+        {
+            return self.let_go_room(st, i, k);
+        }
         false
+    }
+
+    /// Lets go of room `k` of device `i` (see the `room` module): its block stays retired
+    /// under the arrays alive in it, or, when none is, comes back as a retired block whose
+    /// last array dropped does. Returns whether the block went back to the device.
+    fn let_go_room(&mut self, st: &Counters, i: usize, k: usize) -> bool {
+        let mut room = self.arenas.devices[i].rooms.swap_remove(k);
+        room.drop_idle();
+        let arena = room.arena;
+        // SAFETY: the room held the block until now.
+        let generation = unsafe { arena.as_ref() }.generation;
+        // SAFETY: as above; the hold is counted down here, once.
+        if !unsafe { arena.as_ref() }.release_view() {
+            return false;
+        }
+        // SAFETY: the hold was the last count: no view is alive, nothing else points at the
+        // block.
+        let block = unsafe { ArenaBlock::into_block(arena) };
+        self.take_back(st, block, generation, false, true)
+    }
+
+    /// Lets go of device `i`'s rooms whose blocks no array uses any more (their last arrays
+    /// dropped on other threads), or all of them with `all`.
+    fn let_go_rooms(&mut self, st: &Counters, i: usize, all: bool) {
+        for room in &mut self.arenas.devices[i].rooms {
+            room.age();
+        }
+        for k in (0..self.arenas.devices[i].rooms.len()).rev() {
+            let arena = self.arenas.devices[i].rooms[k].arena;
+            // SAFETY: a room holds its block: alive while held.
+            if all || unsafe { arena.as_ref() }.only_held() {
+                self.let_go_room(st, i, k);
+            }
+        }
     }
 
     /// Records a hit or a miss (`kind`) that made `view`.

@@ -46,7 +46,9 @@ mod arena;
 #[cfg(test)]
 pub(crate) use arena::slab::SLAB_BYTES;
 #[cfg(test)]
-pub(crate) use arena::{MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, SHELVED_MOST, SLABS_MADE};
+pub(crate) use arena::{
+    MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, ROOMS_HELD, SHELVED_MOST, SLABS_MADE,
+};
 pub(crate) mod counters;
 #[cfg(feature = "tracing")]
 mod events;

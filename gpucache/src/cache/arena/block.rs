@@ -214,6 +214,36 @@ impl ArenaBlock {
         self.shared.fetch_add(local, AcqRel) + local > 0
     }
 
+    /// [`ArenaBlock::retire`], with one more view counted: the owner's hold on the block's free
+    /// bytes (a `Room`), which keeps the block alive until the owner lets go of it
+    /// ([`ArenaBlock::release_view`]), whatever drops meanwhile on other threads. Returns whether
+    /// views of arrays are alive; `false`: none is (dropped meanwhile on other threads), the
+    /// hold is not taken, and the caller owns the block again.
+    pub(in crate::cache) fn retire_held(&self) -> bool {
+        self.retired.store(true, Relaxed);
+        let local = self.local.swap(0, Relaxed) as isize;
+        if self.shared.fetch_add(local + 1, AcqRel) + local > 0 {
+            return true;
+        }
+        // No view anywhere: nothing else touches the count.
+        self.shared.store(0, Relaxed);
+        false
+    }
+
+    /// A view of a retired block held by the owner (see [`ArenaBlock::retire_held`]) was made
+    /// (lock holder): counted as alive, as the views counted when it was retired. The hold
+    /// keeps the count above zero, so no other thread can be taking the block meanwhile.
+    pub(in crate::cache) fn count_held_view(&self) {
+        let before = self.shared.fetch_add(1, AcqRel);
+        debug_assert!(before > 0, "a view of a retired block nobody holds");
+    }
+
+    /// Whether only the owner's hold is left of a retired block's count (lock holder): no
+    /// array's view is alive.
+    pub(in crate::cache) fn only_held(&self) -> bool {
+        self.shared.load(Acquire) == 1
+    }
+
     /// The views alive (lock holder, before retirement).
     pub(in crate::cache) fn views(&self) -> isize {
         self.local.load(Relaxed) as isize + self.shared.load(Acquire)

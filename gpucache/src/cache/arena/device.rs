@@ -10,6 +10,7 @@ use super::gaps::Gaps;
 use super::layout::{Layout, Rec};
 use super::loose::Loose;
 use super::online::Shadow;
+use super::room::Room;
 use super::slab::Slab;
 use crate::Device;
 use crate::backend::Block;
@@ -217,6 +218,17 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) shadow_wait: u32,
     /// How many shadows stopped without the scope going online.
     pub(super) shadow_misses: u32,
+    /// Plan blocks retired under arrays alive in them, held by the owner: their free bytes
+    /// serve the arrays served apart until they come back (see the `room` module). At most
+    /// [`MAX_ROOMS`](super::room::MAX_ROOMS).
+    pub(super) rooms: Vec<Room>,
+}
+
+impl DeviceArena {
+    /// The index of the room of `arena`, if the device holds one.
+    pub(super) fn room_of(&self, arena: BlockPtr) -> Option<usize> {
+        self.rooms.iter().position(|r| r.arena == arena)
+    }
 }
 
 /// How many steps that left their plan unplanned a device remembers.

@@ -109,6 +109,22 @@ impl Gaps {
         Some(range.start)
     }
 
+    /// The offset of `size` bytes in the smallest gap that holds them, at its bottom, for an
+    /// array whose range goes back by [`Gaps::free`] (not counted as out: see the `room`
+    /// module).
+    pub(super) fn take_range(&mut self, size: usize) -> Option<usize> {
+        if size == 0 {
+            return None;
+        }
+        self.free.allocate_range(size).ok().map(|r| r.start)
+    }
+
+    /// Whether a byte of `range` is free.
+    pub(super) fn overlaps_free(&self, range: &Range<usize>) -> bool {
+        self.free_ranges()
+            .any(|r| r.start < range.end && range.start < r.end)
+    }
+
     /// The free ranges, in the order of their offsets (the complement of the allocator's
     /// allocated ranges in the block).
     fn free_ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {

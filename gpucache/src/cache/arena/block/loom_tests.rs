@@ -141,6 +141,52 @@ impl<const N: usize> Model<N> {
         false
     }
 
+    /// `DeviceArena::detach_with_room` (owner, lock held): as [`Model::detach`], retiring the
+    /// block with the owner's hold on it ([`ArenaBlock::retire_held`]). Returns whether it is
+    /// held (retired with views alive), else taken back at once.
+    fn detach_held(&self) -> bool {
+        let counts = self.counts();
+        if counts.views() > 0 && counts.retire_held() {
+            return true;
+        }
+        self.take_back();
+        false
+    }
+
+    /// `CacheState::room_view` (owner, lock held, the block held): view `i` of a room's free
+    /// bytes, counted in `shared` ([`ArenaBlock::count_held_view`]).
+    fn make_held_view(&self, i: usize) -> Block {
+        let counts = self.counts();
+        let owner: *const dyn Backend = self.block.as_ptr().cast_const();
+        // SAFETY: as in `make_view`; the hold keeps the block alive.
+        let view = unsafe { counts.block.view(owner, i * VIEW_BYTES, VIEW_BYTES) }.unwrap();
+        counts.count_held_view();
+        self.alive.fetch_add(1, Relaxed);
+        view
+    }
+
+    /// `CacheState::drop_view` of a view of a held block on the owner thread: counted down
+    /// (never the last count: the hold is one), then, when only the hold is left, the owner lets
+    /// go of it ([`Model::let_go`]). Returns whether it let go.
+    fn drop_held_on_owner(&self, i: usize, view: Block) -> bool {
+        self.use_and_drop(i);
+        // SAFETY: made by `Block::view`, and its block is alive (held).
+        unsafe { view.drop_view() };
+        let counts = self.counts();
+        assert!(!counts.release_view(), "a held block's view took it back");
+        counts.only_held() && self.let_go()
+    }
+
+    /// `CacheState::let_go_room` (owner, lock held): the hold counted down, the block taken
+    /// back if it was the last count. Returns whether it was.
+    fn let_go(&self) -> bool {
+        if self.counts().release_view() {
+            self.take_back();
+            return true;
+        }
+        false
+    }
+
     /// `Plan::settle_remote_drops`, `DeviceArena::settle_slabs` (owner, lock held, the block
     /// not retired): when no view is alive, every position (or slot) is free again, and its
     /// bytes serve the next arrays (written here). Returns whether it settled.
@@ -358,6 +404,62 @@ fn loom_block_not_settled_while_a_view_lives() {
         t.join().unwrap();
         assert!(early || m.settle(), "no view alive after the join");
         assert!(!m.detach(), "no view alive: taken back at once");
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// A plan's block retired with the owner's hold (a room) while another thread drops one of its
+/// arrays: the other thread never takes it back (the hold is counted); a room's array made and
+/// dropped on the owner, and the owner's last array dropped, leave only the hold, and the owner
+/// lets go of it and takes the block back, after every use.
+#[test]
+fn loom_room_held_while_another_thread_drops() {
+    model("room_held_while_another_thread_drops", || {
+        let m = Arc::new(Model::<3>::new());
+        let (a, b) = (m.make_view(0), m.make_view(1));
+        let other = Arc::clone(&m);
+        let t = thread::spawn(move || other.drop_on_other(1, b));
+        assert!(m.detach_held(), "held: the owner's view is alive");
+        let c = m.make_held_view(2);
+        assert!(
+            !m.drop_held_on_owner(2, c),
+            "let go under the owner's array"
+        );
+        let let_go = m.drop_held_on_owner(0, a);
+        t.join().unwrap();
+        // At the step's end: only the hold is left.
+        assert!(
+            let_go || m.counts().only_held() && m.let_go(),
+            "the hold was kept"
+        );
+        Arc::try_unwrap(m).ok().unwrap().finish();
+    });
+}
+
+/// A held block whose arrays all drop on other threads: none of them takes it back; the owner,
+/// at a step's end, lets go once it sees only the hold (before the joins or after), and the
+/// taking is ordered after both uses.
+#[test]
+fn loom_room_let_go_after_remote_drops() {
+    model("room_let_go_after_remote_drops", || {
+        let m = Arc::new(Model::<2>::new());
+        let (a, b) = (m.make_view(0), m.make_view(1));
+        assert!(m.detach_held(), "held: views are alive");
+        let others: Vec<_> = [(0, a), (1, b)]
+            .into_iter()
+            .map(|(i, view)| {
+                let other = Arc::clone(&m);
+                thread::spawn(move || other.drop_on_other(i, view))
+            })
+            .collect();
+        let early = m.counts().only_held() && m.let_go();
+        for t in others {
+            t.join().unwrap();
+        }
+        assert!(
+            early || m.counts().only_held() && m.let_go(),
+            "the hold was kept"
+        );
         Arc::try_unwrap(m).ok().unwrap().finish();
     });
 }

@@ -1594,6 +1594,132 @@ fn steps_that_never_come_again_compute_in_one_block_online(dev: Device) -> TestR
     Ok(())
 }
 
+/// Whether every element of `a` is `v`.
+fn all(a: &Array<f32>, v: f32) -> Result<bool, Box<dyn StdError>> {
+    Ok(a.to_vec()?.iter().all(|&e| e == v))
+}
+
+/// Arrays with the value each element holds.
+type Valued = Vec<(Array<f32>, f32)>;
+
+/// Arrays of `lens` elements in order, each filled by a kernel with its index and dropped two
+/// allocations later (its values checked then), in the caller's scope.
+fn kernel_chain(dev: Device, stream: &CudaStream, lens: &[usize]) -> TestResult {
+    let mut chain: Valued = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let mut a = Array::<f32>::empty(dev, len)?;
+        fill(stream, &mut a, i as f32)?;
+        if chain.len() == 2 {
+            let (old, v) = chain.remove(0);
+            assert!(all(&old, v)?, "chain array {v}");
+        }
+        chain.push((a, i as f32));
+    }
+    for (a, v) in chain {
+        assert!(all(&a, v)?, "chain array {v}");
+    }
+    Ok(())
+}
+
+/// One request of an encoder-decoder server on the GPU, as the unit test of rooms makes it
+/// (`gpucache/src/tests.rs`, `request`), every array written by kernels: the encoder's step
+/// (temporaries, then its output), the decoder's first step (the request's `kv` keys and values
+/// of `kv_len` elements, kept for the request; the last request's dropped as these are made),
+/// then `steps` decoding steps, each replacing the four arrays of the decoder's cache by arrays
+/// a token longer. Every value is checked. Returns the request's keys and values.
+fn room_request(
+    dev: Device,
+    name: &str,
+    r: usize,
+    last: Valued,
+    (kv, kv_len): (usize, usize),
+    steps: usize,
+) -> Result<Valued, Box<dyn StdError>> {
+    let stream = current(dev);
+    let v = 1000.0 * (r + 1) as f32;
+    let out = {
+        let _scope = enter(name);
+        kernel_chain(dev, &stream, &[64 << 10, 96 << 10, 64 << 10, 96 << 10])?;
+        let mut out = Array::<f32>::empty(dev, 16 << 10)?;
+        fill(&stream, &mut out, v)?;
+        out
+    };
+    let mut last = last.into_iter();
+    let mut keys = Vec::new();
+    {
+        let _scope = enter(name);
+        for k in 0..kv {
+            if let Some((old, w)) = last.next() {
+                assert!(
+                    all(&old, w)?,
+                    "request {r}: the last request's keys and values"
+                );
+            }
+            let mut t = Array::<f32>::empty(dev, 8 << 10)?;
+            fill(&stream, &mut t, -v)?;
+            assert!(all(&t, -v)?, "request {r}: a temporary");
+            drop(t);
+            let w = v + k as f32;
+            let mut key = Array::<f32>::empty(dev, kv_len)?;
+            fill(&stream, &mut key, w)?;
+            keys.push((key, w));
+        }
+        assert!(all(&out, v)?, "request {r}: the encoder's output");
+    }
+    let mut cache: Valued = Vec::new();
+    for t in 0..steps {
+        let _scope = enter(name);
+        kernel_chain(dev, &stream, &[4 << 10, 6 << 10, 4 << 10])?;
+        for k in 0..4 {
+            let w = v + 100.0 + (8 * t + k) as f32;
+            let mut next = Array::<f32>::empty(dev, (2 << 10) + 64 * t)?;
+            fill(&stream, &mut next, w)?;
+            if cache.len() == 4 {
+                let (old, u) = cache.remove(0);
+                assert!(all(&old, u)?, "request {r}, step {t}: the cache");
+            }
+            cache.push((next, w));
+        }
+        for (a, w) in &keys {
+            assert!(all(a, *w)?, "request {r}, step {t}: keys and values");
+        }
+    }
+    for (a, w) in cache {
+        assert!(all(&a, w)?, "request {r}: the cache at its end");
+    }
+    drop(out);
+    Ok(keys)
+}
+
+/// A server's requests of four lengths in turn on the GPU: the plan block retired under a
+/// request's keys and values serves, as a room, the arrays the cache serves apart (the next
+/// request's keys and values, the decoder's cache of keys and values); kernels write and read
+/// them while the block's older arrays live on, and every value holds. From the third request
+/// on, at most one device allocation (as on the CPU; 15 without rooms there).
+fn a_retired_blocks_free_bytes_compute_the_arrays_apart(dev: Device) -> TestResult {
+    let name = "cuda-room";
+    arena(name);
+    let mut kv = Vec::new();
+    let mut misses = 0;
+    for r in 0..8 {
+        if r == 2 {
+            misses = stats(name).misses;
+        }
+        let len = [24 << 10, 8 << 10, 16 << 10, 24 << 10][r % 4];
+        kv = room_request(dev, name, r, kv, (6, len), 6)?;
+    }
+    if caching() {
+        let after = stats(name).misses - misses;
+        assert!(
+            after <= 1,
+            "{after} device allocations from the third request on"
+        );
+    }
+    drop(kv);
+    gpucache::invalidate(name);
+    Ok(())
+}
+
 /// A test that needs a GPU, run on CUDA device 0.
 pub type GpuTest = fn(Device) -> TestResult;
 
@@ -1607,6 +1733,7 @@ pub const TESTS: &[(&str, GpuTest)] = common::test_table![
     a_step_that_leaves_its_plan_computes_in_its_blocks_free_bytes,
     a_loss_kept_past_its_step_keeps_its_values_in_the_block_the_next_plan_keeps,
     prompt_and_decoding_steps_compute_on_their_own_plans,
+    a_retired_blocks_free_bytes_compute_the_arrays_apart,
     a_longer_sequence_computes_in_its_plan_scaled,
     scalars_extra_and_missing_leave_the_layers_on_their_plan,
     a_longer_sequence_grows_its_plans_block_in_place,

@@ -65,10 +65,9 @@
 //! planned there is out of line, and the step leaves its plan for the block's gaps.
 //!
 //! Apart is the block's *tail* when it holds the array (the bytes past the plan's footprint in a
-//! block kept for a larger plan, less the pins; [`Plan::tail`]), else a [`Room`]'s free range
-//! (see below), else a solo block; so for a
-//! position over pinned bytes ([`Serve::Blocked`]). The tail costs no memory (the block is held
-//! anyway) and no device allocation. It serves nothing in a step larger in all than its
+//! block kept for a larger plan, less the pins; [`Plan::tail`]), else a range of a [`Room`] (see
+//! below), else a solo block; so for a position over pinned bytes ([`Serve::Blocked`]). The
+//! tail costs no memory (the block is held anyway) and no device allocation. It serves nothing in a step larger in all than its
 //! positions so far ([`Layout::larger`]): such a step may outgrow the block, which must then be
 //! free to go back. A tail array alive at the step's end has the step planned again, to be
 //! pinned; one alive when the step leaves its plan is the gaps' from then on.

@@ -715,20 +715,16 @@ impl Plan {
         Gaps::new(bytes, used)
     }
 
-    /// The free bytes of the plan's block, when it is about to leave the plan under arrays that
-    /// are not all pins (to be retired under them), no other stream used it this step, and its
-    /// last use was on the thread's current stream: a [`Room`] for the arrays served apart until
-    /// it comes back. The gaps, when the step left the plan (they hold just those bytes).
+    /// The free bytes of the plan's block, about to leave the plan under arrays alive in it (the
+    /// caller knows they are not all to be pinned: it is to be retired under them), when no
+    /// other stream used it this step and its last use was on the thread's current stream: a
+    /// [`Room`] for the arrays served apart until it comes back. The gaps, when the step left
+    /// the plan (they hold just those bytes).
     fn room(&mut self, record: &[Rec]) -> Option<Gaps> {
         let arena = self.block?;
         // SAFETY: the plan's block is the cache's, alive until the lock holder detaches it.
         let counts = unsafe { arena.as_ref() };
-        let pinned = self.pins.len() as isize;
-        if self.tainted
-            || capturing()
-            || counts.views() <= pinned
-            || !counts.block.on_current_stream()
-        {
+        if self.tainted || capturing() || !counts.block.on_current_stream() {
             return None;
         }
         let bytes = counts.block.bytes();
@@ -1876,33 +1872,12 @@ impl DeviceArena {
     /// one), a block that no array or stream uses and that can grow is kept for it instead
     /// ([`DeviceArena::given_up`]). Returns whether it was retired.
     fn detach(&mut self, st: &Counters, arena: BlockPtr, in_use: usize, keep: bool) -> bool {
-        // SAFETY: a plan's block is the cache's until detached.
-        let counts = unsafe { arena.as_ref() };
-        let bytes = counts.block.bytes();
-        debug_assert!(
-            in_use <= bytes,
-            "{in_use} bytes in use in a block of {bytes}"
-        );
-        if counts.views() > 0 {
-            // The rest of the block is not handed out again: in use until it comes back.
-            uncached(st, self.gauge, bytes - in_use);
-            if counts.retire() {
-                return true;
-            }
-            // Every array dropped meanwhile on another thread: it is ours again.
-            cached(st, self.gauge, bytes);
-        } else {
-            // Arrays dropped on other threads were not counted back.
-            cached(st, self.gauge, in_use);
-        }
-        // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
-        let block = unsafe { ArenaBlock::into_block(arena) };
-        self.give_up(st, block, keep);
-        false
+        self.detach_with_room(st, arena, in_use, keep, None)
     }
 
     /// [`DeviceArena::detach`], the block's free bytes `room` (see [`Plan::room`]) kept as a
-    /// [`Room`] if it is retired, while the device holds fewer than [`MAX_ROOMS`].
+    /// [`Room`] if it is retired under arrays that hold at least a [`ROOM_SHARE`]th of it, while
+    /// the device holds fewer than [`MAX_ROOMS`].
     fn detach_with_room(
         &mut self,
         st: &Counters,
@@ -1914,22 +1889,32 @@ impl DeviceArena {
         // SAFETY: a plan's block is the cache's until detached.
         let counts = unsafe { arena.as_ref() };
         let bytes = counts.block.bytes();
-        let roomy = self.rooms.len() < MAX_ROOMS && in_use.saturating_mul(ROOM_SHARE) >= bytes;
-        let Some(free) = room.filter(|_| roomy) else {
-            return self.detach(st, arena, in_use, keep);
-        };
-        // Retired, its bytes no array uses are not handed out as cached ones: in use until it
-        // comes back (a room hands them out as the block's).
-        uncached(st, self.gauge, bytes - in_use);
-        if counts.retire_held() {
-            #[cfg(test)]
-            ROOMS_HELD.with(|n| n.set(n.get() + 1));
-            self.rooms.push(Room::new(arena, free));
-            return true;
+        debug_assert!(
+            in_use <= bytes,
+            "{in_use} bytes in use in a block of {bytes}"
+        );
+        if counts.views() > 0 {
+            // The rest of the block is not handed out again: in use until it comes back (a
+            // room hands it out as the block's).
+            uncached(st, self.gauge, bytes - in_use);
+            let roomy = self.rooms.len() < MAX_ROOMS && in_use.saturating_mul(ROOM_SHARE) >= bytes;
+            match room.filter(|_| roomy) {
+                Some(free) if counts.retire_held() => {
+                    #[cfg(test)]
+                    ROOMS_HELD.with(|n| n.set(n.get() + 1));
+                    self.rooms.push(Room::new(arena, free));
+                    return true;
+                }
+                None if counts.retire() => return true,
+                _ => {}
+            }
+            // Every array dropped meanwhile on another thread: it is ours again.
+            cached(st, self.gauge, bytes);
+        } else {
+            // Arrays dropped on other threads were not counted back.
+            cached(st, self.gauge, in_use);
         }
-        // Every array dropped meanwhile on another thread: it is ours again.
-        cached(st, self.gauge, bytes);
-        // SAFETY: no view is alive (counted zero, synchronised with the drops by `AcqRel`).
+        // SAFETY: no view is alive (counted zero, synchronised with the drops by `Acquire`).
         let block = unsafe { ArenaBlock::into_block(arena) };
         self.give_up(st, block, keep);
         false

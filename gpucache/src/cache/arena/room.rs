@@ -103,7 +103,8 @@ impl Room {
         self.idle.age();
     }
 
-    /// Drops the idle views (before the hold is let go: the block may go with it).
+    /// Drops the idle views and those of the kept ranges (before the hold is let go: the block
+    /// may go with it).
     pub(super) fn drop_idle(&mut self) {
         drop_views(self.kept.drain(..).map(|(_, _, v)| v));
         drop_views(self.idle.drain());

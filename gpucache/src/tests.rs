@@ -1753,6 +1753,11 @@ fn a_step_that_grew_at_plans_in_a_row_is_planned_ahead() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// The length of request `r`'s keys and values of the encoder's output, four lengths in turn.
+fn request_len(r: u32) -> usize {
+    [24 << 10, 8 << 10, 16 << 10, 24 << 10][r as usize % 4]
+}
+
 /// The retired blocks held as rooms on this thread so far.
 fn rooms() -> u64 {
     ROOMS_HELD.with(std::cell::Cell::get)
@@ -1820,7 +1825,7 @@ fn request(
 /// request leaves the plans (a kind of step of its own), its keys and values go to the block's
 /// gaps, and the block, retired under them at the step's end, is held as a *room*: its free
 /// bytes serve the arrays the cache serves apart (the next request's keys and values, the
-/// logits kept into the next step) until it comes back. From the third request on, one device
+/// decoder's cache of keys and values) until it comes back. From the third request on, one device
 /// allocation and no new high; without rooms, 15 and a peak an eighth higher, the arrays apart
 /// in blocks of their own beside the retired one. Every array keeps its values (a range of a
 /// room is never handed out under a live array), and every block goes back.
@@ -1835,8 +1840,7 @@ fn a_retired_blocks_free_bytes_serve_the_arrays_apart() {
         if r == 2 {
             (allocs, peak) = (backend.allocs(), backend.peak_bytes());
         }
-        let len = [24 << 10, 8 << 10, 16 << 10, 24 << 10][r as usize % 4];
-        kv = request(name, r, kv, (6, len), 6);
+        kv = request(name, r, kv, (6, request_len(r)), 6);
     }
     assert!(
         backend.allocs() - allocs <= 1,
@@ -1866,13 +1870,7 @@ fn a_rooms_block_comes_back_when_its_last_array_drops_anywhere() {
     let held = rooms();
     let mut kv = Vec::new();
     for r in 0..3 {
-        kv = request(
-            name,
-            r,
-            kv,
-            (6, [24 << 10, 8 << 10, 16 << 10][r as usize]),
-            4,
-        );
+        kv = request(name, r, kv, (6, request_len(r)), 4);
     }
     assert!(rooms() > held, "no block was held as a room");
     crate::empty_cache();
@@ -1911,9 +1909,8 @@ fn a_decoders_cache_in_a_room_goes_round_ranges_kept_with_their_views() {
     let mut kv = Vec::new();
     let mut made = 0;
     for r in 0..8 {
-        let len = [24 << 10, 8 << 10, 16 << 10, 24 << 10][r as usize % 4];
         let before = views();
-        kv = request(name, r, kv, (6, len), 12);
+        kv = request(name, r, kv, (6, request_len(r)), 12);
         if r >= 3 {
             made += views() - before;
         }

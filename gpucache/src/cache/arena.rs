@@ -3564,6 +3564,10 @@ impl CacheState {
             Some(a) if a.device == device => Some(0),
             _ => self.arenas.index(device),
         };
+        // A view of a retired block the owner holds as a room: the device and the room.
+        let room = i
+            .filter(|_| !counts.solo && counts.is_retired())
+            .and_then(|i| Some((i, self.arenas.devices[i].room_of(arena)?)));
         if let Some(i) = i {
             let a = &mut self.arenas.devices[i];
             a.settle_record();
@@ -3647,7 +3651,7 @@ impl CacheState {
                 }
             }
             // Served apart: a solo block, or a room's range.
-            let apart = counts.solo || a.room_of(arena).is_some();
+            let apart = counts.solo || room.is_some();
             if !escaped && let Some(r) = a.record.get_mut(rec as usize) {
                 r.end = a.tick;
                 // Planned apart, yet it died in its step: the next plan places it.
@@ -3666,11 +3670,8 @@ impl CacheState {
                 return false;
             }
         }
-        // A view of a retired block the owner holds as a room: its range is free again there
-        // (unless another stream may still use it).
-        let room = i
-            .filter(|_| !counts.solo)
-            .and_then(|i| Some((i, self.arenas.devices[i].room_of(arena)?)));
+        // A room's array: its range is free again there (unless another stream may still use
+        // it).
         if let Some((i, k)) = room
             && !tainted
             && let Some(v) = view.take()

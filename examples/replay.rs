@@ -16,9 +16,10 @@
 //! ```
 //!
 //! `--no-event-tracking` turns cudarc's event tracking off for the device's context before the
-//! replay: cudarc then makes no read and write events for a new slice (each array that is not
-//! served by a view kept from before gets a new slice, and with tracking two events), so the
-//! difference it makes is what those events cost. A measurement, not a setting to copy: a
+//! replay: cudarc then makes no read and write events for a new slice (each device allocation
+//! gets a slice, and with tracking two events: the pool's, and gpucache's own blocks; arrays
+//! served from part of a block make none while the context has one stream, as in this replay),
+//! so the difference it makes is what those events cost. A measurement, not a setting to copy: a
 //! program that uses a buffer on several streams needs the events, or its own synchronisation.
 //!
 //! `--longer PASSES` replays each log's steps after the first that many more times, in

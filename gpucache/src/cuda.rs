@@ -6,9 +6,14 @@
 //! are kernel arguments ([`PushKernelArg`]). So an array goes straight to
 //! `stream.launch_builder(&f).arg(&x)`, to cuBLAS (`blas.gemm(cfg, &a, &b, &mut c)`) and to
 //! cudarc's copies (`stream.memcpy_htod(&host, &mut x)`), without a copy and with cudarc's own
-//! read/write event tracking. [`Array::cuda_view`] / [`Array::cuda_view_mut`] give typed views
-//! for sub-slicing. This crate re-exports the cudarc it was built with as
-//! [`gpucache::cuda::cudarc`](cudarc), so the types match.
+//! read/write event tracking. [`Array::cuda_view`] / [`Array::cuda_view_mut`] give typed views for
+//! sub-slicing. An array served from part of a cached block gets its cudarc slice (and its two
+//! events) only when a call needs it: a launch or `DevicePtr` call while the context has a single
+//! stream, where cudarc records no event of any slice, takes its device address as it would take
+//! the slice's; once the context has a second stream (which cudarc synchronises the context for),
+//! the array's first such call makes its slice, with nothing before it to wait for. Allocating and
+//! dropping such an array on one stream makes no CUDA call. This crate re-exports the cudarc it was
+//! built with as [`gpucache::cuda::cudarc`](cudarc), so the types match.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -425,34 +430,38 @@ fn captured_ptr<T: Element>(array: &Array<T>) -> &CUdeviceptr {
     }
 }
 
-/// The slice a kernel or cudarc call gets for `array`: its buffer, or the device's sentinel for
-/// a zero-size array.
+/// What a kernel or cudarc call gets for `array`: its buffer's cudarc slice, with its events, or
+/// its buffer's device address where cudarc would use no events of the slice (a view that has
+/// no slice yet, while the context manages no synchronisation across streams: see
+/// `CudaBuf::tracks`); the device's sentinel for a zero-size array.
 #[track_caller]
-fn slice_of<T: Element>(array: &Array<T>) -> &CudaSlice<u8> {
+fn arg_of<T: Element>(array: &Array<T>) -> Arg<'_, &CudaSlice<u8>> {
     match array.cuda_buf() {
-        Ok(Some(buf)) => buf.slice(),
-        Ok(None) => sentinel(array.device()),
+        Ok(Some(buf)) if buf.tracks() => Arg::Slice(buf.slice()),
+        Ok(Some(buf)) => Arg::Ptr(buf.ptr()),
+        Ok(None) => Arg::Sentinel(sentinel(array.device())),
         Err(_) => not_on_cuda(array.device()),
     }
 }
 
-/// The slice a kernel or cudarc call gets for `array` to write to (the sentinel for a
-/// zero-size array, through which nothing is written).
+/// [`arg_of`] for a call that writes to `array` (nothing is written through the sentinel).
 #[track_caller]
-fn slice_mut_of<T: Element>(array: &mut Array<T>) -> SliceMut<'_> {
+fn arg_mut_of<T: Element>(array: &mut Array<T>) -> Arg<'_, &mut CudaSlice<u8>> {
     let device = array.device();
     match array.block_mut() {
         Some(block) => match block.cuda_mut() {
-            Some(buf) => SliceMut::Owned(buf.slice_mut()),
+            Some(buf) if buf.tracks() => Arg::Slice(buf.slice_mut()),
+            Some(buf) => Arg::Ptr(buf.ptr()),
             None => not_on_cuda(device),
         },
-        None => SliceMut::Sentinel(sentinel(device)),
+        None => Arg::Sentinel(sentinel(device)),
     }
 }
 
-/// What [`slice_mut_of`] found.
-enum SliceMut<'a> {
-    Owned(&'a mut CudaSlice<u8>),
+/// What [`arg_of`] and [`arg_mut_of`] found.
+enum Arg<'a, S> {
+    Slice(S),
+    Ptr(&'a CUdeviceptr),
     Sentinel(&'static CudaSlice<u8>),
 }
 
@@ -486,7 +495,10 @@ impl<T: Element> DevicePtr<T> for Array<T> {
             capture::require_capture_stream(stream.cu_stream());
             return (*captured_ptr(self), SyncOnDrop::Record(None));
         }
-        slice_of(self).device_ptr(stream)
+        match arg_of(self) {
+            Arg::Slice(slice) | Arg::Sentinel(slice) => slice.device_ptr(stream),
+            Arg::Ptr(&ptr) => (ptr, SyncOnDrop::Record(None)),
+        }
     }
 }
 
@@ -498,9 +510,10 @@ impl<T: Element> DevicePtrMut<T> for Array<T> {
             capture::require_capture_stream(stream.cu_stream());
             return (*captured_ptr(self), SyncOnDrop::Record(None));
         }
-        match slice_mut_of(self) {
-            SliceMut::Owned(slice) => slice.device_ptr_mut(stream),
-            SliceMut::Sentinel(slice) => slice.device_ptr(stream),
+        match arg_mut_of(self) {
+            Arg::Slice(slice) => slice.device_ptr_mut(stream),
+            Arg::Ptr(&ptr) => (ptr, SyncOnDrop::Record(None)),
+            Arg::Sentinel(slice) => slice.device_ptr(stream),
         }
     }
 }
@@ -508,15 +521,20 @@ impl<T: Element> DevicePtrMut<T> for Array<T> {
 // SAFETY: pushes exactly what cudarc pushes for the `CudaSlice<u8>` that `arg` owns (or the
 // device's sentinel, which lives for the process): a pointer to its `CUdeviceptr`, valid for
 // `'b`, and its read/write events. The kernel sees the device pointer of the array's elements.
-// While the thread captures a graph it pushes a pointer to the same `CUdeviceptr` value, kept
-// in the buffer (or the device state) for as long, and no events.
+// For a view with no slice while the context manages no synchronisation across streams (where
+// cudarc would push no event of a slice either), and while the thread captures a graph, it
+// pushes a pointer to the same `CUdeviceptr` value, kept in the buffer (or the device state)
+// for as long, and no events.
 unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b Array<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b Array<T>) -> &mut Self {
         if capture::capturing() {
             return self.arg(captured_ptr(arg));
         }
-        self.arg(slice_of(arg))
+        match arg_of(arg) {
+            Arg::Slice(slice) | Arg::Sentinel(slice) => self.arg(slice),
+            Arg::Ptr(ptr) => self.arg(ptr),
+        }
     }
 }
 
@@ -528,9 +546,10 @@ unsafe impl<'a, 'b: 'a, T: Element> PushKernelArg<&'b mut Array<T>> for LaunchAr
         if capture::capturing() {
             return self.arg(captured_ptr(arg));
         }
-        match slice_mut_of(arg) {
-            SliceMut::Owned(slice) => self.arg(slice),
-            SliceMut::Sentinel(slice) => self.arg(slice),
+        match arg_mut_of(arg) {
+            Arg::Slice(slice) => self.arg(slice),
+            Arg::Ptr(ptr) => self.arg(ptr),
+            Arg::Sentinel(slice) => self.arg(slice),
         }
     }
 }

@@ -336,12 +336,14 @@
 //!   `max_cached_bytes` bounds the spares. A position's arrays that another thread dropped
 //!   during the step keep their bytes taken until the plan is made again (the owner does not see
 //!   the drop at once): a later array over them is served apart.
-//! * On CUDA a planned array is a cudarc slice of its own over its part of the block (with its
-//!   own read/write events when cudarc tracks them). The block is made ready for the thread's
-//!   stream at each step's first hit, so bytes reused within a step are ordered by that stream;
-//!   an array used on another stream (`Array::record_stream`, or a stream switched mid-step)
-//!   keeps its bytes until the step ends, and then the block leaves the plan and is freed after
-//!   the recorded events.
+//! * On CUDA a planned array is a view of its part of the block, which gets a cudarc slice of its
+//!   own (with its own read/write events when cudarc tracks them) at its first use that needs one:
+//!   none while the context has a single stream, where cudarc uses no slice's events and a kernel
+//!   gets the array's device address (see the `cuda` module). The block is made ready for the
+//!   thread's stream at each step's first hit, so bytes reused within a step are ordered by that
+//!   stream; an array used on another stream (`Array::record_stream`, or a stream switched
+//!   mid-step) keeps its bytes until the step ends, and then the block leaves the plan and is freed
+//!   after the recorded events.
 //! * [`Element`] is sealed: buffers are shared between element types under
 //!   [`KeyPolicy::SizeClass`], which is sound only for plain types.
 //! * Host memory is always initialised (new buffers are zeroed), so [`Array::empty`] is never

@@ -334,6 +334,15 @@ pub fn host_grows_blocks() -> bool {
     cpu::grows_blocks()
 }
 
+/// How many cudarc slices the CUDA backend has made for views in this process: an array
+/// served from part of a block gets its slice (with cudarc's read and write events) only at its
+/// first use that needs one, and none while its context has a single stream (see
+/// [`cuda`](crate::cuda)). A test on a GPU counts them to check that.
+#[cfg(feature = "cuda")]
+pub fn cuda_view_slices_made() -> u64 {
+    backend::cuda::view_slices_made()
+}
+
 /// Routes this thread's `Device::Cpu` allocations to `backend` until the guard drops.
 ///
 /// Guards nest like scopes: the backend installed last serves, and dropping a guard removes its

@@ -39,11 +39,11 @@ fn views() -> u64 {
     VIEWS_MADE.with(std::cell::Cell::get)
 }
 
-/// A decoder's cache of keys and values, one token longer every step, made in one step and
-/// dropped in the next (so planned apart): each comes from the block of the one before last, a
-/// spare, through the view that array had, so a step after the first few makes no view at all
-/// (on CUDA a view is a cudarc slice with two events). The values and the bytes held are checked
-/// too: the view spans its block, and the block goes back to the device with it.
+/// A decoder's cache of keys and values, one token longer every step, made in one step and dropped
+/// in the next (so planned apart): each comes from the block of the one before last, a spare,
+/// through the view that array had, so a step after the first few makes no view at all (on CUDA,
+/// with several streams, a view gets a cudarc slice with two events). The values and the bytes held
+/// are checked too: the view spans its block, and the block goes back to the device with it.
 #[test]
 fn a_spare_serves_its_next_array_through_the_view_it_kept() {
     let name = "unit-spare-view";
@@ -1896,11 +1896,11 @@ fn a_rooms_block_comes_back_when_its_last_array_drops_anywhere() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
-/// A decoder's cache of keys and values in a room (see [`request`]: four arrays replaced every
-/// step by arrays a token longer) goes round the room's ranges kept with their views, as it went
-/// round its spares: from the fourth request on, at most a few views made in all (on CUDA a view
-/// is a cudarc slice with two events). Each array taking the smallest free range anew, at a new
-/// offset most steps, made 66 there.
+/// A decoder's cache of keys and values in a room (see [`request`]: four arrays replaced every step
+/// by arrays a token longer) goes round the room's ranges kept with their views, as it went round
+/// its spares: from the fourth request on, at most a few views made in all (on CUDA, with several
+/// streams, a view gets a cudarc slice with two events). Each array taking the smallest free range
+/// anew, at a new offset most steps, made 66 there.
 #[test]
 fn a_decoders_cache_in_a_room_goes_round_ranges_kept_with_their_views() {
     let name = "unit-room-views";

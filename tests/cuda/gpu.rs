@@ -433,6 +433,63 @@ impl HeldCopy {
     }
 }
 
+/// Run by `main.rs` before any test makes a stream (a context never goes back to one stream):
+/// arrays served from a plan's block (views) are allocated, zeroed, written by kernels, read
+/// back and dropped with the context on one stream, and no cudarc slice (two events each) is made
+/// for them. Then a second stream: an array still alive from then gets its slice at its first
+/// launch, and cudarc's events order its use across the streams: a read on the thread's stream
+/// waits for a write on another that waits for a flag set after the read was launched.
+pub fn views_get_slices_only_with_a_second_stream(dev: Device) -> TestResult {
+    let ctx = gpucache::cuda::context(dev)?;
+    if ctx.is_in_multi_stream_mode() {
+        return Err("a stream was made before this check, which needs the context on one".into());
+    }
+    let stream = current(dev);
+    let n = 1 << 16;
+    let slices = gpucache::testing::cuda_view_slices_made();
+    let mut kept = None;
+    for step in 0..3 {
+        let allocs = gpucache::device_stats(dev)?.allocs;
+        let _scope = enter("cuda-one-stream");
+        let mut x = Array::<f32>::empty(dev, n)?;
+        fill(&stream, &mut x, step as f32)?;
+        let mut y = Array::<f32>::zeros(dev, n)?;
+        affine(&stream, &mut y, &x, 2.0, 1.0)?;
+        let want = 2.0 * step as f32 + 1.0;
+        if !all(&y, want)? || x.to_vec()?.iter().any(|&v| v != step as f32) {
+            return Err(format!("step {step}: wrong values").into());
+        }
+        if step == 2 {
+            let made = gpucache::device_stats(dev)?.allocs - allocs;
+            if made != 0 {
+                return Err(format!("the planned step made {made} device allocations").into());
+            }
+            kept = Some(y); // a view with no slice, alive past its step
+        }
+    }
+    let made = gpucache::testing::cuda_view_slices_made() - slices;
+    if made != 0 {
+        return Err(format!("{made} cudarc slices made for views on one stream").into());
+    }
+    let kept = kept.ok_or("no array kept at step 2")?;
+    // The second stream (and a third, `HeldCopy`'s signal): cudarc synchronises the context.
+    let mut held = HeldCopy::new(dev, n)?;
+    let _stale = std::mem::replace(&mut held.out, kept);
+    let src = Array::from_slice(dev, &vec![7.0f32; n], n)?;
+    // Writes `held.out` (the view, which makes its slice now) on the side stream, after the flag.
+    held.launch(&src)?;
+    if gpucache::testing::cuda_view_slices_made() == slices {
+        return Err("no slice made for the view used with two streams".into());
+    }
+    let mut z = Array::<f32>::zeros(dev, n)?;
+    affine(&stream, &mut z, &held.out, 1.0, 0.0)?; // waits for the write's event
+    let status = held.release()?;
+    if status != 1 || !all(&z, 7.0)? {
+        return Err(format!("the read did not wait for the write (status {status})").into());
+    }
+    Ok(())
+}
+
 fn a_buffer_recycled_on_another_stream_moves_to_it(dev: Device) -> TestResult {
     common::free_lists("cuda-restream");
     let ctx = gpucache::cuda::context(dev)?;

@@ -7,6 +7,10 @@
 //!   API that need no GPU (they always run);
 //! * `graph::*`: `StepGraph` capture and replay (`graph.rs`).
 //!
+//! `gpu::views_get_slices_only_with_a_second_stream` runs first, as `main` starts, whatever the
+//! filter: it needs the device's context on one stream, and a test that makes a stream leaves
+//! the context with several for the rest of the process.
+//!
 //! With `GPUCACHE_REQUIRE_GPU=1` a missing GPU fails the run instead. With `GPUCACHE_DISABLE=1`
 //! (caching off, so that compute-sanitizer sees every buffer) the device tests of `tests/all`,
 //! which check the cache's rules, and the graph tests, which capture cache hits, are listed as
@@ -45,6 +49,19 @@ fn main() {
         );
     }
     let mut trials = Vec::new();
+    // First, before any test makes a stream: a context on one stream never goes back to it.
+    let name = "gpu::views_get_slices_only_with_a_second_stream".to_owned();
+    let first = match gpu {
+        Ok(dev) if caching => {
+            let run = std::panic::catch_unwind(|| {
+                gpu::views_get_slices_only_with_a_second_stream(dev).map_err(|e| e.to_string())
+            });
+            run.unwrap_or_else(|_| Err("panicked".to_owned()))
+        }
+        _ => Ok(()),
+    };
+    let trial = common::gpu_trial(name, &gpu, move |_| first.map_err(Into::into));
+    trials.push(trial.with_ignored_flag(gpu.is_err() || !caching));
     for (module, tests) in [
         ("semantics", semantics::DEVICE_TESTS),
         ("failures", failures::DEVICE_TESTS),

@@ -10,6 +10,22 @@
 //! several streams), and dropping the slice frees it stream-ordered after them. Arrays hand out
 //! typed views of it (`transmute`), so nothing is copied to pass an array to a kernel or cuBLAS.
 //!
+//! # Views
+//!
+//! An array served from a part of a block (a planned or online range, a room, a slab) has a
+//! *view*: a buffer over its bytes that never frees them. cudarc's slice of a view, with its read
+//! and write events (two `cuEventCreate`s, and two `cuEventDestroy`s when it goes: about 0.7 µs
+//! on the H100's host, more than the rest of an allocation and drop from a block), is made only
+//! when something needs it ([`CudaBuf::tracks`]): a cudarc API given the array as a slice
+//! (`Array::cuda_view`, a copy), or a kernel launch or `DevicePtr` call while the context
+//! manages synchronisation across streams (`CudaContext::is_managing_stream_synchronization`:
+//! event tracking on and a second stream made). With one stream, cudarc records and waits for no
+//! event of any slice: such calls get the view's device address, as they would get the slice's.
+//! A context becomes multi-stream once (`CudaContext::new_stream` synchronises it then, when it
+//! tracks events), so a view's slice made at its first use after that starts with no work to
+//! wait for, as a slice made with the view would have had none to record before: cudarc's
+//! guarantees for the array are the same.
+//!
 //! # Streams
 //!
 //! Each buffer remembers the stream it was last handed out on (its *stream*). A buffer recycled
@@ -37,7 +53,7 @@
 //! recovery, a block given up), not in a step that follows its plan.
 
 use std::cell::RefCell;
-use std::mem::{self, ManuallyDrop};
+use std::mem;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock, OnceLock};
@@ -230,6 +246,14 @@ fn raw_ptr(slice: &CudaSlice<u8>) -> CUdeviceptr {
     ptr
 }
 
+/// The cudarc slices made for views in the process (see [`CudaBuf::slice`]).
+static VIEW_SLICES: AtomicU64 = AtomicU64::new(0);
+
+/// How many cudarc slices were made for views in the process.
+pub(crate) fn view_slices_made() -> u64 {
+    VIEW_SLICES.load(Relaxed)
+}
+
 /// The CUDA backend (one for all devices; per-device state lives in [`DeviceState`]).
 #[derive(Debug, Default)]
 pub(crate) struct CudaBackend;
@@ -367,8 +391,15 @@ impl Backend for CudaBackend {
 /// cross-stream uses declared with `Array::record_stream`.
 #[derive(Debug)]
 pub(crate) struct CudaBuf {
-    /// Dropped in `Drop`: freed by cudarc, or leaked back for a view.
-    slice: ManuallyDrop<CudaSlice<u8>>,
+    /// cudarc's slice: made with the buffer for an allocation; for a view, at the first use
+    /// that needs it ([`CudaBuf::slice`]), perhaps never. Taken in `Drop`: freed by cudarc, or
+    /// leaked back for a view.
+    slice: OnceLock<CudaSlice<u8>>,
+    /// The bytes the slice spans (or will span: a view's range, from where it was made to the
+    /// end of its block then).
+    span: usize,
+    /// The device's ordinal.
+    ordinal: usize,
     /// The buffer's size: the slice's, or less for a view (see [`CudaBuf::set_view_len`]), or
     /// more for a growable block grown (atomic: it grows through a shared reference; read
     /// relaxed, a plain load).
@@ -397,9 +428,24 @@ impl CudaBuf {
     /// A buffer over `slice` (starting at device address `base`), owned by `stream`, with no
     /// marks, events or watchers; a `view` never frees its memory.
     fn new(slice: CudaSlice<u8>, base: CUdeviceptr, view: bool, stream: Arc<CudaStream>) -> Self {
+        let len = slice.len();
+        CudaBuf::with(OnceLock::from(slice), base, len, view, stream)
+    }
+
+    /// A buffer of `len` bytes at `base` whose cudarc slice is `slice`'s (or made later, over
+    /// those bytes), owned by `stream`, with no marks, events or watchers.
+    fn with(
+        slice: OnceLock<CudaSlice<u8>>,
+        base: CUdeviceptr,
+        len: usize,
+        view: bool,
+        stream: Arc<CudaStream>,
+    ) -> Self {
         CudaBuf {
-            len: AtomicUsize::new(slice.len()),
-            slice: ManuallyDrop::new(slice),
+            slice,
+            span: len,
+            ordinal: stream.context().ordinal(),
+            len: AtomicUsize::new(len),
             base,
             view,
             stream,
@@ -416,26 +462,27 @@ impl CudaBuf {
         self.len.load(Relaxed)
     }
 
-    /// Makes a view `bytes` long: the same cudarc slice (and events), over the range the view
-    /// was made for, serves an array of another size there.
+    /// Makes a view `bytes` long: the same view (and its cudarc slice and events, if it has
+    /// them), over the range it was made for, serves an array of another size there.
     ///
     /// # Safety
     /// `self` was made by [`CudaBuf::view`] over at least `bytes > 0` bytes ([`CudaBuf::spans`]).
     pub(crate) unsafe fn set_view_len(&mut self, bytes: usize) {
-        debug_assert!(self.view && bytes <= self.slice.len());
+        debug_assert!(self.view && bytes <= self.span);
         *self.len.get_mut() = bytes;
     }
 
-    /// Whether the buffer's cudarc slice holds `bytes` bytes (a view's ends where its block
-    /// ended when it was made, and the block may have grown since).
+    /// Whether the buffer's cudarc slice holds (or a view's, when made, will hold) `bytes`
+    /// bytes (a view's range ends where its block ended when it was made, and the block may have
+    /// grown since).
     #[inline]
     pub(crate) fn spans(&self, bytes: usize) -> bool {
-        bytes <= self.slice.len()
+        bytes <= self.span
     }
 
     /// The device the buffer lives on.
     pub(crate) fn device(&self) -> Device {
-        Device::Cuda(self.slice.ordinal())
+        Device::Cuda(self.ordinal)
     }
 
     /// The device pointer of the buffer.
@@ -459,20 +506,20 @@ impl CudaBuf {
         watchers.push(Arc::clone(alive));
     }
 
-    /// A view of the `bytes` bytes at `offset`, on this thread's current stream for the device:
-    /// a cudarc slice of its own (with its own read/write events), which is never freed.
+    /// A view of the `bytes` bytes at `offset`, on this thread's current stream for the device,
+    /// which never frees them: its cudarc slice (with its own read/write events) is made at its
+    /// first use that needs one ([`CudaBuf::slice`], [`CudaBuf::tracks`]).
     ///
     /// # Safety
     /// `offset + bytes <= self.bytes()`, `bytes > 0`, and the memory stays allocated for as long
     /// as the view lives.
     pub(crate) unsafe fn view(&self, offset: usize, bytes: usize) -> Result<CudaBuf> {
-        let n = self.slice.ordinal();
+        let n = self.ordinal;
         let stream = thread_stream(n, device_state(n)?);
         let base = self.base + offset as CUdeviceptr;
-        // SAFETY: the range lies inside this buffer's allocation (caller), which outlives the
-        // view; the view's slice is leaked back, never freed, when it drops (`view: true`).
-        let slice = unsafe { stream.upgrade_device_ptr::<u8>(base, bytes) };
-        Ok(CudaBuf::new(slice, base, true, stream))
+        // The range lies inside this buffer's allocation (caller), which outlives the view; the
+        // view's slice, if one is made, is leaked back, never freed, when it drops.
+        Ok(CudaBuf::with(OnceLock::new(), base, bytes, true, stream))
     }
 
     /// Whether the current owner was used on `other`'s stream alone: [`CudaBuf::hand_marks_to`]
@@ -536,7 +583,11 @@ impl CudaBuf {
     /// short; an owner that waited, during the capture, for this thread to drop the array would
     /// wait forever.
     pub(crate) fn wait_out_capture(&self) {
-        let stream = self.slice.stream();
+        // No slice, no events: its drop makes no stream wait.
+        let Some(slice) = self.slice.get() else {
+            return;
+        };
+        let stream = slice.stream();
         while matches!(
             stream.capture_status(),
             Ok(s) if s != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
@@ -545,14 +596,43 @@ impl CudaBuf {
         }
     }
 
-    /// cudarc's slice of the whole buffer.
+    /// cudarc's slice of the whole buffer (a view's made now if it has none: see the module
+    /// docs).
     pub(crate) fn slice(&self) -> &CudaSlice<u8> {
-        &self.slice
+        self.slice.get_or_init(|| self.make_slice())
     }
 
     /// cudarc's slice of the whole buffer, mutable.
     pub(crate) fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.slice
+        if self.slice.get().is_none() {
+            let slice = self.make_slice();
+            self.slice = OnceLock::from(slice);
+        }
+        match self.slice.get_mut() {
+            Some(slice) => slice,
+            None => unreachable!("the slice was made above"),
+        }
+    }
+
+    /// A view's cudarc slice, on its owner's stream (an allocation's is made with it).
+    #[cold]
+    #[inline(never)]
+    fn make_slice(&self) -> CudaSlice<u8> {
+        debug_assert!(self.view, "an allocation's slice is made with it");
+        VIEW_SLICES.fetch_add(1, Relaxed);
+        // SAFETY: `[base, base + span)` is the view's range, inside its block's allocation,
+        // which outlives the view (`CudaBuf::view`'s contract), so it outlives the slice too: the
+        // slice is leaked back, never freed, when the view drops.
+        unsafe { self.stream.upgrade_device_ptr::<u8>(self.base, self.span) }
+    }
+
+    /// Whether a use of the buffer through cudarc must take its slice, with its events (made
+    /// then for a view that has none): the buffer has one already, or the context manages
+    /// synchronisation across streams. Otherwise cudarc uses no slice's events, and the use
+    /// takes the device address ([`CudaBuf::ptr`]), as cudarc would take the slice's.
+    #[inline]
+    pub(crate) fn tracks(&self) -> bool {
+        self.slice.get().is_some() || self.stream.context().is_managing_stream_synchronization()
     }
 
     /// The stream of the buffer's current owner.
@@ -635,7 +715,7 @@ impl CudaBuf {
     /// [`CudaBuf::prepare_reuse`] has nothing to order.
     #[inline]
     pub(crate) fn on_current_stream(&self) -> bool {
-        current_handle(self.slice.ordinal()) == self.stream.cu_stream()
+        current_handle(self.ordinal) == self.stream.cu_stream()
     }
 
     /// Hands the buffer to a new owner on this thread's current stream for its device.
@@ -643,7 +723,7 @@ impl CudaBuf {
     pub(crate) fn prepare_reuse(&mut self) -> Result<()> {
         // The cache hands out only idle buffers: their events have completed.
         self.events.clear();
-        let n = self.slice.ordinal();
+        let n = self.ordinal;
         if current_handle(n) != self.stream.cu_stream() {
             if capture::capturing() {
                 // Ordering after another stream would wait on work outside the capture.
@@ -663,22 +743,26 @@ impl CudaBuf {
             capture::require_capture_stream(self.stream.cu_stream());
             self.pin();
             // Without cudarc's events, which a capture may not wait on.
-            self.stream.context().bind_to_thread()?;
-            // SAFETY: `ptr` is the start of this buffer's `bytes() >= bytes` bytes, which the
-            // exclusive borrow keeps alive and unaliased until the memset is queued; the memset
-            // is ordered on the owner's stream like any use of the buffer.
-            unsafe {
-                cudarc::driver::result::memset_d8_async(
-                    self.base,
-                    0,
-                    bytes,
-                    self.stream.cu_stream(),
-                )
-            }?;
-            return Ok(());
+            return self.zero_raw(bytes);
         }
-        let mut view = self.slice.slice_mut(..bytes);
-        self.stream.memset_zeros(&mut view)?;
+        if !self.tracks() {
+            return self.zero_raw(bytes);
+        }
+        let stream = Arc::clone(&self.stream);
+        stream.memset_zeros(&mut self.slice_mut().slice_mut(..bytes))?;
+        Ok(())
+    }
+
+    /// Zeroes the first `bytes` bytes on the owner's stream through the driver, without cudarc's
+    /// events (while capturing, or while the context uses none).
+    fn zero_raw(&self, bytes: usize) -> Result<()> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `base` is the start of this buffer's `bytes() >= bytes` bytes (callers), which
+        // the caller's exclusive borrow keeps alive and unaliased until the memset is queued; the
+        // memset is ordered on the owner's stream like any use of the buffer.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(self.base, 0, bytes, self.stream.cu_stream())
+        }?;
         Ok(())
     }
 
@@ -688,8 +772,20 @@ impl CudaBuf {
             let what = "a copy from host memory (Array::from_slice)";
             return Err(capture::fail(|| Error::CaptureUnsupported { what }));
         }
-        let mut view = self.slice.slice_mut(..src.len());
-        self.stream.memcpy_htod(src, &mut view)?;
+        let stream = Arc::clone(&self.stream);
+        if !self.tracks() {
+            stream.context().bind_to_thread()?;
+            // SAFETY: `base` is the start of this buffer's `bytes() >= src.len()` bytes (the
+            // caller's array), which the exclusive borrow keeps alive and unaliased until the copy
+            // is queued; from pageable memory the copy has read `src` when it returns, as in
+            // cudarc's own `memcpy_htod` of a host slice, which makes this same call.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(self.base, src, stream.cu_stream())
+            }?;
+            return Ok(());
+        }
+        let mut view = self.slice_mut().slice_mut(..src.len());
+        stream.memcpy_htod(src, &mut view)?;
         Ok(())
     }
 
@@ -700,14 +796,24 @@ impl CudaBuf {
             let what = "a copy to host memory (Array::to_vec)";
             return Err(capture::fail(|| Error::CaptureUnsupported { what }));
         }
-        let n = self.slice.ordinal();
+        let n = self.ordinal;
         let state = device_state(n)?;
         let stream = thread_stream(n, state);
         if stream.cu_stream() != self.stream.cu_stream() {
             stream.join(&self.stream)?;
         }
-        let view = self.slice.slice(..dst.len());
-        stream.memcpy_dtoh(&view, dst)?;
+        if self.tracks() {
+            let view = self.slice().slice(..dst.len());
+            stream.memcpy_dtoh(&view, dst)?;
+        } else {
+            stream.context().bind_to_thread()?;
+            // SAFETY: `base` starts this buffer's `bytes() >= dst.len()` bytes (the caller's
+            // array, borrowed until the copy is done); `dst` is written only by the copy, which
+            // the synchronisation below waits for before `dst`'s borrow ends.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(dst, self.base, stream.cu_stream())
+            }?;
+        }
         stream.synchronize()?;
         Ok(())
     }
@@ -718,17 +824,21 @@ impl Drop for CudaBuf {
     /// writes. Order that free after the owner's stream and the marked streams too.
     fn drop(&mut self) {
         if self.view {
-            // SAFETY: `slice` is taken once, here, and `self` is not used after.
-            let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
             // Not ours to free: cudarc waits for the view's events and forgets the pointer.
-            slice.leak();
+            if let Some(slice) = self.slice.take() {
+                slice.leak();
+            }
             return;
         }
         self.end_use();
         if let Some(mapping) = self.mapping.take() {
             return self.release(mapping.into_inner());
         }
-        let free_stream = Arc::clone(self.slice.stream());
+        // An allocation's slice is made with it (so it is always there to free).
+        let Some(slice) = self.slice.take() else {
+            return;
+        };
+        let free_stream = Arc::clone(slice.stream());
         let ctx = free_stream.context();
         // An error recorded earlier in the context is set aside while the buffer is freed, and
         // recorded again after: cudarc's calls return it in place of their work (its
@@ -748,8 +858,7 @@ impl Drop for CudaBuf {
             ctx.record_err::<()>(Err(e));
             ctx.record_err(self.stream.synchronize());
         }
-        // SAFETY: `slice` is taken once, here, and `self` is not used after.
-        drop(unsafe { ManuallyDrop::take(&mut self.slice) });
+        drop(slice);
         ctx.record_err(pending);
     }
 }
@@ -760,12 +869,13 @@ impl CudaBuf {
     /// rather than unmapped under running work (a failing driver has bigger problems).
     #[cold]
     fn release(&mut self, mapping: vmm::Mapping) {
-        // SAFETY: `slice` is taken once, here (the caller is `drop`), and `self.slice` is not
-        // used after.
-        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        let slice_stream = Arc::clone(slice.stream());
-        // cudarc's view of the mapping: its stream waits for its events, and it is forgotten.
-        slice.leak();
+        // cudarc's view of the mapping (made with it): its stream waits for its events, and it is
+        // forgotten.
+        let slice_stream = self.slice.take().map(|slice| {
+            let stream = Arc::clone(slice.stream());
+            slice.leak();
+            stream
+        });
         let ctx = Arc::clone(self.stream.context());
         // An error recorded earlier, set aside (see `drop`): returned by the calls below in
         // place of their work, it had the block leaked.
@@ -775,7 +885,7 @@ impl CudaBuf {
             .iter()
             .try_for_each(CudaEvent::synchronize)
             .and_then(|()| self.stream.synchronize())
-            .and_then(|()| slice_stream.synchronize())
+            .and_then(|()| slice_stream.as_ref().map_or(Ok(()), |s| s.synchronize()))
             .and_then(|()| ctx.bind_to_thread());
         ctx.record_err(pending);
         match idle {

@@ -519,6 +519,6 @@ pub(crate) fn remove_cpu_override(id: u64) {
 #[cfg(test)]
 thread_local! {
     /// The views [`Block::view`] made on this thread (unit tests count them: a view costs a
-    /// cudarc slice with two events on CUDA).
+    /// buffer, and on CUDA a cudarc slice with two events once it is used with several streams).
     pub(crate) static VIEWS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }

@@ -221,8 +221,9 @@
 //! next plan's new block, every step (MobileNetV3 trained with a varying batch held 2.01x of its
 //! peak live bytes; with pins, 1.11x).
 //!
-//! A view costs something to make on CUDA (a cudarc `CudaSlice` with two events of its own), so
-//! views outlive their arrays: a view spans from its offset to the end of the block, and its
+//! A view costs something to make (a backend buffer; on CUDA also a cudarc `CudaSlice` with two
+//! events of its own, made at its first use while the context has several streams), so views
+//! outlive their arrays: a view spans from its offset to the end of the block, and its
 //! length is set to each array's ([`Block::set_view_len`]). When an array drops on the owner
 //! thread, its view stays *idle* at its offset: kept for its position, or *loose* (by offset)
 //! in a step served from the gaps. The next array at that offset takes it, in this step or a
@@ -850,8 +851,8 @@ impl Plan {
 /// The most idle views a plan of `layout` keeps loose: twice as many as it and the `shelf`'s
 /// plans, which share its block, have positions (at least 128). Steps served from the gaps
 /// put arrays at other offsets than the positions': on EfficientNet's and ConvNeXt's shuffled
-/// steps a cap of as many views as positions made twice as many views (each a cudarc slice with
-/// two events), and twice that cap keeps every view those runs make.
+/// steps a cap of as many views as positions made twice as many views, and twice that cap keeps
+/// every view those runs make.
 fn loose_cap(layout: &Layout, shelf: &[Shelved]) -> usize {
     let shelved: usize = shelf.iter().map(|s| s.layout.len()).sum();
     2 * (layout.len() + shelved).max(64)
@@ -1029,8 +1030,9 @@ fn settle_record(record: &mut Vec<Rec>, tick: u32, layout: &Layout) {
 
 /// A view at `offset` of the plan's block `arena` that reaches `bytes` bytes from there: `kept`
 /// (an idle view made at that offset), else a loose one there, else a new one. A view spans
-/// from its offset to the end of the block, so that it serves any array there later: a cudarc
-/// view is a `CudaSlice` with two events of its own, made once per offset, not once per array.
+/// from its offset to the end of the block, so that it serves any array there later: a view (on
+/// CUDA with a `CudaSlice` of two events of its own once it is used with several streams) is
+/// made once per offset, not once per array.
 /// The end is the block's when the view was made: a block grown since (under the arrays a step
 /// kept) may place a larger array at the offset, and an idle view too short for it is dropped
 /// and made again (EfficientNet trained on a varying batch, replayed in the H100's granules:

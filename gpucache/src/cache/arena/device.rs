@@ -83,10 +83,10 @@ pub(in crate::cache) enum Held {
     /// The block alone: it came back from another thread, its array was used on another stream,
     /// or it is a plan's block that another stream may still use.
     Bare(Block),
-    /// Still in its solo arena block, with the view its array had, idle: the next array the
-    /// spare serves takes that view again (a cudarc view is a `CudaSlice` with two events of its
-    /// own: made once, not every time the spare is reused). The view spans the whole block; it
-    /// is no array's, and not counted (the block's count is zero).
+    /// Still in its solo arena block, with the view its array had, idle: the next array the spare
+    /// serves takes that view again (made once, with its cudarc `CudaSlice` and two events once
+    /// used with several streams, not every time the spare is reused). The view spans the whole
+    /// block; it is no array's, and not counted (the block's count is zero).
     Viewed { arena: BlockPtr, view: Block },
 }
 

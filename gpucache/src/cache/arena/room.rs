@@ -15,9 +15,9 @@
 //! then among the free ranges when a range is needed that none of them holds, or past
 //! [`KEPT`] such ranges. An array that grew past its recorded size takes room to grow, as its
 //! solo block would: a decoder's cache of keys and values goes round a few ranges, and makes
-//! no view once they go round (a free range taken at a new offset makes one: on CUDA a cudarc
-//! slice with two events; with each array taking the smallest free range anew, GPT-2's
-//! decoding took 1.51x the host time a step on the H100, the median of 7 rounds).
+//! no view once they go round (a free range taken at a new offset makes one; with each array
+//! taking the smallest free range anew, GPT-2's decoding took 1.51x the host time a step on the
+//! H100, the median of 7 rounds, when every view made a cudarc slice with two events).
 //!
 //! Only a block whose arrays alive take a sixteenth of it or more when it is retired gets a room
 //! ([`ROOM_SHARE`]), at most [`MAX_ROOMS`] at once. The hold is one more view in the block's
@@ -114,7 +114,7 @@ impl Room {
     /// holds `size` bytes and is at most `most` long, the smallest: handed out again, with the
     /// view. A decoder's cache of keys and values, replaced every step by one a token longer
     /// (its range taken with room to grow), goes round such ranges as it went round its
-    /// spares, and makes no view (on CUDA a cudarc slice with two events).
+    /// spares, and makes no view.
     pub(super) fn take_kept(&mut self, size: usize, most: usize) -> Option<(usize, Block)> {
         let k = (0..self.kept.len())
             .filter(|&k| (size..=most).contains(&self.kept[k].1))

@@ -15,7 +15,7 @@
 //! An array served from a part of a block (a planned or online range, a room, a slab) has a
 //! *view*: a buffer over its bytes that never frees them. cudarc's slice of a view, with its read
 //! and write events (two `cuEventCreate`s, and two `cuEventDestroy`s when it goes: about 0.7 µs
-//! on the H100's host, more than the rest of an allocation and drop from a block), is made only
+//! on an H200's host, more than the rest of an allocation and drop from a block), is made only
 //! when something needs it ([`CudaBuf::tracks`]): a cudarc API given the array as a slice
 //! (`Array::cuda_view`, a copy), or a kernel launch or `DevicePtr` call while the context
 //! manages synchronisation across streams (`CudaContext::is_managing_stream_synchronization`:

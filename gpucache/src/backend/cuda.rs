@@ -772,8 +772,8 @@ impl CudaBuf {
             let what = "a copy from host memory (Array::from_slice)";
             return Err(capture::fail(|| Error::CaptureUnsupported { what }));
         }
-        let stream = Arc::clone(&self.stream);
         if !self.tracks() {
+            let stream = &self.stream;
             stream.context().bind_to_thread()?;
             // SAFETY: `base` is the start of this buffer's `bytes() >= src.len()` bytes (the
             // caller's array), which the exclusive borrow keeps alive and unaliased until the copy
@@ -784,6 +784,7 @@ impl CudaBuf {
             }?;
             return Ok(());
         }
+        let stream = Arc::clone(&self.stream);
         let mut view = self.slice_mut().slice_mut(..src.len());
         stream.memcpy_htod(src, &mut view)?;
         Ok(())

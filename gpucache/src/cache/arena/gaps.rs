@@ -88,7 +88,7 @@ impl Gaps {
         if size == 0 {
             return None;
         }
-        let range = if high {
+        let at = if high {
             // Best fit takes the whole of a smallest gap that holds `size` (one of exactly that
             // length), and its bottom goes back: the array is at the gap's top.
             let fit = self
@@ -101,12 +101,12 @@ impl Gaps {
             if top > gap.start {
                 self.free.free_range(gap.start..top);
             }
-            top..gap.end
+            top
         } else {
-            self.free.allocate_range(size).ok()?
+            self.take_range(size)?
         };
-        self.hand_out(rec, range.start);
-        Some(range.start)
+        self.hand_out(rec, at);
+        Some(at)
     }
 
     /// The offset of `size` bytes in the smallest gap that holds them, at its bottom, for an

@@ -226,6 +226,34 @@ pub(crate) fn greedy_by_size_from(
     })
 }
 
+/// `lives` placed again after a few of them changed size, the others `kept` at their offsets
+/// (`Some`: from a plan in which each had the same lifetime and size, so that no two of them
+/// whose lifetimes meet share bytes, and none meets a range `taken`); the rest largest first,
+/// best fit, among them and the ranges `taken`. `None` when that plan is more than `slack`
+/// bytes above the bound at which [`greedy_by_size_from`] stops trying (a
+/// [`FIRST_FIT_WITHIN`]th above the least footprint): placing every array again may do better.
+pub(crate) fn around_kept(
+    lives: &[Lifetime],
+    kept: &[Option<usize>],
+    taken: &[Range<usize>],
+    slack: usize,
+) -> Option<Plan> {
+    debug_assert_eq!(lives.len(), kept.len());
+    let live = peak_live(lives);
+    let within = least_footprint(live, taken) + live / FIRST_FIT_WITHIN;
+    let (mut order, preset): (Vec<usize>, Vec<usize>) = kept
+        .iter()
+        .enumerate()
+        .filter_map(|(i, at)| at.map(|at| (i, at)))
+        .unzip();
+    let moved: Vec<usize> = (0..lives.len()).filter(|&i| kept[i].is_none()).collect();
+    let moved_lives: Vec<Lifetime> = moved.iter().map(|&i| lives[i]).collect();
+    order.extend(size_order(&moved_lives).into_iter().map(|i| moved[i]));
+    // Each array moved looks at those placed in order of offset (a scan of all: they are few).
+    let plan = place_after(lives, &order, &Overlaps::Scan, true, taken, &preset);
+    (plan.footprint <= within.saturating_add(slack)).then_some(plan)
+}
+
 /// `lives` planned with the arrays `small` (indices, in order; see [`stacked`]) stacked on top
 /// of the rest, which `place` plans: the stack goes above the rest's footprint and any range
 /// `taken` that it would meet there (in order of their starts, one pass finds the lowest
@@ -1386,6 +1414,55 @@ mod tests {
         assert!(
             reused > 100,
             "arrays reuse the bytes of those placed ({reused})"
+        );
+    }
+
+    #[test]
+    fn arrays_kept_stay_where_they_were_and_the_moved_meet_none_while_they_live() {
+        let mut rng = fastrand::Rng::with_seed(17);
+        let (mut kept_plans, mut refused) = (0, 0);
+        for case in 0..1000 {
+            let n = rng.usize(1..120);
+            let before = random_lives(&mut rng, n, false);
+            let old = greedy_by_size(&before);
+            // A quarter of the arrays at most grow (a decoder's attention over one token more);
+            // the others keep their offsets.
+            let mut lives = before.clone();
+            let mut kept: Vec<Option<usize>> = old.offsets.iter().copied().map(Some).collect();
+            for _ in 0..rng.usize(0..=n / 4) {
+                let i = rng.usize(0..n);
+                lives[i].bytes += rng.usize(1..4) * ALIGN;
+                kept[i] = None;
+            }
+            // Bytes taken throughout above the old plan, which no array kept meets.
+            let mut taken: Vec<Range<usize>> = Vec::new();
+            if rng.bool() {
+                let at = old.footprint + rng.usize(0..4) * ALIGN;
+                taken.push(at..at + ALIGN);
+            }
+            let Some(plan) = around_kept(&lives, &kept, &taken, usize::MAX) else {
+                panic!("case {case}: refused with no bound");
+            };
+            assert!(holds(&lives, &plan, &taken), "case {case}");
+            for (i, at) in kept.iter().enumerate() {
+                if let Some(at) = at {
+                    assert_eq!(plan.offsets[i], *at, "case {case}: array {i} moved");
+                }
+            }
+            // Held to the bound of a plan made from scratch, it is kept only within it.
+            match around_kept(&lives, &kept, &taken, 0) {
+                Some(within) => {
+                    assert_eq!(within, plan);
+                    let live = peak_live(&lives);
+                    assert!(within.footprint <= least_footprint(live, &taken) + live / 32);
+                    kept_plans += 1;
+                }
+                None => refused += 1,
+            }
+        }
+        assert!(
+            kept_plans > 100 && refused > 100,
+            "{kept_plans} kept, {refused} refused"
         );
     }
 

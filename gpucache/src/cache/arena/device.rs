@@ -216,6 +216,10 @@ pub(in crate::cache) struct DeviceArena {
     /// Steps to wait before another shadow may start (one stopped without the scope going
     /// online).
     pub(super) shadow_wait: u32,
+    /// Whether the rest of the last step that outgrew its plan could not be placed again
+    /// around the arrays alive in the block (0: it could, or none was tried), and since then,
+    /// how many steps did not try ([`AROUND_RETRY`](super::AROUND_RETRY)).
+    pub(super) around_missed: u8,
     /// How many shadows stopped without the scope going online.
     pub(super) shadow_misses: u32,
     /// Plan blocks retired under arrays alive in them, held by the owner: their free bytes

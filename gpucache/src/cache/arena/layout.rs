@@ -334,6 +334,12 @@ fn peak_of(record: &[Rec], counted: impl Fn(&Rec) -> bool) -> usize {
     planner::peak_live(&lives)
 }
 
+/// Whether every allocation of `record` (a step so far) was matched with its own position:
+/// the k-th with the k-th.
+pub(super) fn aligned_so_far(record: &[Rec]) -> bool {
+    (0..).zip(record).all(|(k, r)| r.planned == k)
+}
+
 /// The allocations of `record` larger than [`SMALL`].
 fn big_count(record: &[Rec]) -> usize {
     record.iter().filter(|r| r.bytes > SMALL).count()

@@ -1832,6 +1832,50 @@ mod tests {
     }
 
     #[test]
+    fn a_layout_placed_for_the_rest_of_its_step_keeps_no_offsets_for_a_plan() {
+        // An input alive through the step, an array planned to live to tick 6, then layers.
+        let first = [
+            rec(4096, 8),
+            rec(2048, 6),
+            rec(1024, 4),
+            rec(1024, 5),
+            rec(1024, 6),
+            rec(1024, 7),
+        ];
+        let mut l = Layout::new(&first, None);
+        // The next step drops the second array early, and outgrows the plan at position 3.
+        assert!(at(&mut l, 4096).is_some());
+        assert!(at(&mut l, 2048).is_some());
+        l.dropped(1, 2);
+        assert!(at(&mut l, 1024).is_some());
+        assert_eq!(l.next(1536, 3), (Serve::Diverged, 3));
+        let record = [
+            matched(4096, OPEN, 0),
+            matched(2048, 2, 1),
+            matched(1024, OPEN, 2),
+            matched(1536, OPEN, 3),
+        ];
+        assert!(l.scale_around(&record, 3, &[]).is_some());
+        assert!(l.one_step());
+        // The rest may take the dropped array's bytes, though the two are planned to meet.
+        let meets = |l: &Layout, i: u32, j: u32| {
+            let ((a, m), (b, n)) = (l.spot(i), l.spot(j));
+            l.spots[i as usize].end > j && a < b + n && b < a + m
+        };
+        assert!(
+            (3..6).any(|k| meets(&l, 1, k)),
+            "the rest over the dropped array"
+        );
+        // A step of the same sizes and ends, position by position: its plan keeps none of those
+        // places, and no two of its positions that meet share bytes.
+        let same: Vec<Rec> = (0..6u32)
+            .map(|k| matched(l.spot(k).1, l.spots[k as usize].end, k))
+            .collect();
+        let next = plan(&same, Some(&l), 64 << 20);
+        assert!((0..6).all(|i| (i + 1..6).all(|j| !meets(&next, i, j))));
+    }
+
+    #[test]
     fn the_rest_is_not_placed_around_an_array_of_an_earlier_step() {
         let mut l = Layout::new(&held_input_step(), None);
         // The input of this step is alive into the next one: its bytes are not this step's.

@@ -582,6 +582,34 @@ impl Plan {
         }
     }
 
+    /// The positions' idle views are stashed for the layout ([`Loose::stash`]), which is
+    /// about to be shelved while the block stays: switched in again, it takes them back
+    /// ([`Plan::unstash_views`]).
+    fn stash_views(&mut self) {
+        let views = (0..)
+            .zip(&mut self.views)
+            .map(|(k, view)| Some((self.layout.range(k).start, view.take()?)))
+            .collect();
+        self.loose.stash(self.layout.id(), views);
+    }
+
+    /// The idle views stashed for the layout just switched in ([`Plan::stash_views`]) are its
+    /// positions' again, each where its position still starts at the offset it was made at
+    /// (else loose, at that offset).
+    fn unstash_views(&mut self) {
+        let Some(stashed) = self.loose.unstash(self.layout.id()) else {
+            return;
+        };
+        for (k, (offset, view)) in (0..).zip(stashed).filter_map(|(k, v)| Some((k, v?))) {
+            match self.views.get_mut(k as usize) {
+                Some(slot) if slot.is_none() && self.layout.range(k).start == offset => {
+                    *slot = Some(view);
+                }
+                _ => self.loose.park(offset, view),
+            }
+        }
+    }
+
     /// The step its layout was placed again for ended ([`Layout::whole_again`]): the idle views
     /// of its positions go loose first, at the offsets they were made at.
     fn whole_again(&mut self) {
@@ -1777,7 +1805,7 @@ impl DeviceArena {
         // The block stays if it holds the shelved plan, with every idle view, loose: the
         // positions take them as they are served.
         let block = if fits {
-            plan.loosen_views();
+            plan.stash_views();
             None
         } else {
             plan.take_block()
@@ -1785,6 +1813,7 @@ impl DeviceArena {
         let pins = std::mem::take(&mut plan.pins);
         let shelved = &mut self.shelf[i];
         plan.swap_layout(&mut shelved.layout);
+        plan.unstash_views();
         shelved.used = self.step;
         // Only this swap makes a shelved plan current again: what it was watched for before
         // counts no more.

@@ -106,6 +106,9 @@ const MOVED_AT_MOST: usize = 4;
 /// footprint).
 const KEPT_SLACK: usize = 64;
 
+/// The id of the next layout made ([`Layout::id`]).
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// One allocation of a step as recorded: its aligned size, the tick before which it dropped
 /// ([`OPEN`] while alive), and the plan's position it was matched with ([`NONE`] if none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -260,6 +263,8 @@ pub(super) struct Layout {
     grew_from: Vec<usize>,
     /// Its positions have room for their growth to go on ([`growth_ahead`]).
     ahead: bool,
+    /// Unique among the layouts made (see [`Layout::id`]).
+    id: u64,
 }
 
 /// What [`Layout::growth`] found in the first `read` allocations of the step's record. A
@@ -593,6 +598,7 @@ impl Layout {
             grew_in_a_row,
             grew_from,
             ahead: ahead.is_some(),
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -652,6 +658,12 @@ impl Layout {
         self.spots
             .get(k as usize)
             .is_some_and(|s| !s.apart && s.offset + s.size / 2 > self.footprint / 2)
+    }
+
+    /// The layout's id, which no other layout made in the process has: the key of its idle
+    /// views while it is shelved (`Loose::stash`).
+    pub(super) fn id(&self) -> u64 {
+        self.id
     }
 
     /// The number of positions.

@@ -16,16 +16,27 @@
 //! likely to come again. (Dropping the newest view instead, once the cap was reached, kept the
 //! offsets of the first steps for good: Keypoint R-CNN's long run, served online, made a new
 //! view for half of its arrays, 21,935 of 43,097; 11,239 now. See BENCHMARKS.md.)
+//!
+//! The positions' views of a layout shelved while the block stays (a kind of step that takes
+//! turns with another on the block) are *stashed* apart, by position, for that layout alone
+//! ([`Loose::stash`]): switched in again, it takes them back at once, with no hash lookup each.
 
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 
 use crate::backend::Block;
 
+/// A layout's idle views, by position, each with the offset it was made at.
+pub(super) type Stashed = Vec<Option<(usize, Block)>>;
+
 /// The loose views of a plan's block, by offset.
 #[derive(Default)]
 pub(in crate::cache) struct Loose {
     at: HashMap<usize, Idle>,
+    /// The idle views of the positions of layouts shelved while the block stays (see
+    /// [`Loose::stash`]), the most recently stashed last: the layout's id, and per position
+    /// its view with the offset it was made at.
+    stashed: Vec<(u64, Stashed)>,
     /// The views in `at`.
     len: usize,
     /// The most views kept when a step ends ([`Loose::age`]).
@@ -48,6 +59,9 @@ impl Idle {
         (clock.wrapping_sub(self.parked) as usize).min(AGES - 1)
     }
 }
+
+/// The most layouts whose positions' views are stashed ([`Loose::stash`]).
+const MAX_STASHED: usize = 4;
 
 /// Views parked this many steps ago or longer are of one age when the oldest go
 /// ([`Loose::trim`]).
@@ -96,6 +110,41 @@ impl Loose {
         idle.views.push(view);
         idle.parked = clock;
         self.len += 1;
+    }
+
+    /// Keeps the idle views of a layout's positions, `views` (per position, its view with the
+    /// offset it was made at), for the layout of id `layout` when it is switched in again on
+    /// the same block ([`Loose::unstash`]): parked one by one, each view went into the map, and
+    /// came out again at the layout's next step, where a step of one of the kinds that take
+    /// turns on a block (a batch size that comes again) switched every step (Swin-T trained on
+    /// a varying batch: about a thousand positions a switch, two hash lookups each). The
+    /// layouts stashed longest ago, past [`MAX_STASHED`], have their views parked.
+    pub(super) fn stash(&mut self, layout: u64, views: Stashed) {
+        if views.iter().all(Option::is_none) {
+            return;
+        }
+        // Views stashed for the layout before (it was not switched in since) go loose.
+        if let Some(before) = self.unstash(layout) {
+            self.park_all(before);
+        }
+        self.stashed.push((layout, views));
+        if self.stashed.len() > MAX_STASHED {
+            let (_, oldest) = self.stashed.remove(0);
+            self.park_all(oldest);
+        }
+    }
+
+    /// Parks each of `views` at the offset it was made at.
+    fn park_all(&mut self, views: Stashed) {
+        for (offset, view) in views.into_iter().flatten() {
+            self.park(offset, view);
+        }
+    }
+
+    /// The views [`Loose::stash`] kept for the layout of id `layout`, if any.
+    pub(super) fn unstash(&mut self, layout: u64) -> Option<Stashed> {
+        let i = self.stashed.iter().position(|(id, _)| *id == layout)?;
+        Some(self.stashed.remove(i).1)
     }
 
     /// A view idle at `offset`, if one is.
@@ -161,10 +210,15 @@ impl Loose {
         debug_assert!(self.len <= self.cap);
     }
 
-    /// Takes every view out (the block leaves the plan: they are dropped).
+    /// Takes every view out, the stashed ones too (the block leaves the plan: they are dropped).
     pub(super) fn drain(&mut self) -> impl Iterator<Item = Block> + '_ {
         self.len = 0;
-        self.at.drain().flat_map(|(_, idle)| idle.views)
+        let stashed = std::mem::take(&mut self.stashed);
+        self.at.drain().flat_map(|(_, idle)| idle.views).chain(
+            stashed
+                .into_iter()
+                .flat_map(|(_, views)| views.into_iter().flatten().map(|(_, view)| view)),
+        )
     }
 
     /// Drops every view (before their block leaves the plan).
@@ -260,6 +314,76 @@ mod tests {
         assert_eq!(taken.len(), 2);
         assert_eq!(loose.len(), 0);
         drop_views(taken);
+        give_back(b);
+    }
+
+    /// Two views stashed for `layout`, at positions 0 and 2 (none at 1), at offsets of its own.
+    fn stash_two(loose: &mut Loose, b: BlockPtr, layout: u64) {
+        let at = |k: u64| (layout * 3 + k) as usize * 64;
+        loose.stash(
+            layout,
+            vec![
+                Some((at(0), view(b, at(0)))),
+                None,
+                Some((at(2), view(b, at(2)))),
+            ],
+        );
+    }
+
+    /// Checks that `views` are the two [`stash_two`] stashed for `layout`, and drops them.
+    fn are_two(b: BlockPtr, layout: u64, views: Stashed) {
+        // SAFETY: the block is alive until `give_back`.
+        let base = unsafe { b.as_ref() }.block.address();
+        assert_eq!(views.len(), 3);
+        assert!(views[1].is_none());
+        for k in [0, 2] {
+            let (offset, view) = views[k].as_ref().expect("a view");
+            let at = (layout as usize * 3 + k) * 64;
+            assert_eq!((*offset, view.address()), (at, base + at));
+        }
+        drop_views(views.into_iter().flatten().map(|(_, v)| v));
+    }
+
+    #[test]
+    fn a_shelved_layouts_views_come_back_whole_and_the_oldest_go_loose() {
+        let b = block();
+        let mut loose = Loose::new(64);
+        // A layout with no idle view stashes nothing.
+        loose.stash(99, vec![None, None]);
+        assert!(loose.unstash(99).is_none());
+        // Layouts 0 to MAX_STASHED stash two views each: past the most stashed, the first
+        // layout's went loose, at their offsets.
+        for layout in 0..=MAX_STASHED as u64 {
+            stash_two(&mut loose, b, layout);
+        }
+        assert!(loose.unstash(0).is_none());
+        assert_eq!(loose.len(), 2);
+        drop_views(loose.unpark(0));
+        drop_views(loose.unpark(2 * 64));
+        assert_eq!(loose.len(), 0);
+        // The last comes back as it was stashed, position by position.
+        are_two(
+            b,
+            MAX_STASHED as u64,
+            loose.unstash(MAX_STASHED as u64).unwrap(),
+        );
+        // Stashed twice with no unstash between, a layout's earlier views go loose.
+        stash_two(&mut loose, b, 1);
+        assert_eq!(loose.len(), 2);
+        let first = loose.unpark(3 * 64).expect("position 0's earlier view");
+        let second = loose.unpark(5 * 64).expect("position 2's earlier view");
+        drop_views([first, second]);
+        are_two(b, 1, loose.unstash(1).unwrap());
+        // The block leaving the plan takes the stashed views with the loose ones.
+        loose.park(4096 - 64, view(b, 4096 - 64));
+        let drained: Vec<Block> = loose.drain().collect();
+        assert_eq!(
+            drained.len(),
+            1 + 2 * 2,
+            "one loose, layouts 2 and 3 stashed"
+        );
+        drop_views(drained);
+        assert!(loose.unstash(2).is_none());
         give_back(b);
     }
 

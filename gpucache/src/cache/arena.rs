@@ -542,10 +542,11 @@ impl Plan {
     }
 
     /// Makes `layout` the plan's, leaving the one it replaces in `layout`. Only when no array
-    /// uses the block, and its positions' idle views went loose ([`Plan::loosen_views`]) or
-    /// were dropped with the block ([`Plan::take_block`]): so every position of the new layout
-    /// is free, whatever it last counted as taken (arrays dropped on other threads, or on a
-    /// block since replaced), and it has no idle view of its own yet.
+    /// uses the block, and its positions' idle views went loose ([`Plan::loosen_views`]), were
+    /// stashed ([`Plan::stash_views`]) or were dropped with the block ([`Plan::take_block`]): so
+    /// every position of the new layout is free, whatever it last counted as taken (arrays
+    /// dropped on other threads, or on a block since replaced), and it has no idle view of its
+    /// own yet (those it stashed come back after: [`Plan::unstash_views`]).
     fn swap_layout(&mut self, layout: &mut Layout) {
         std::mem::swap(&mut self.layout, layout);
         self.layout.clear_live();
@@ -1802,8 +1803,9 @@ impl DeviceArena {
         if plan.block_in_use() && !(fits && plan.holds_only_pins()) {
             return false;
         }
-        // The block stays if it holds the shelved plan, with every idle view, loose: the
-        // positions take them as they are served.
+        // The block stays if it holds the shelved plan, with every idle view: the positions'
+        // stashed for the layout shelved, which takes back its own (if it stashed any); the
+        // loose ones for the positions that have none, as they are served.
         let block = if fits {
             plan.stash_views();
             None

@@ -472,8 +472,8 @@ impl Layout {
     /// few of its arrays (T5's: 18-36 of 263), and each such plan made from scratch took 114-124
     /// µs of its step's end on the CPU in the planner alone; kept so, the whole layout took
     /// 40-47 µs, every one within the slack, and the positions kept keep the views made at their
-    /// offsets. (Within the bound alone, two of T5's seven such plans were
-    /// kept: its grown arrays are the step's largest, placed at the top of the others.)
+    /// offsets. (Within the bound alone, two of T5's seven such plans were kept: its grown arrays
+    /// are the step's largest, placed at the top of the others.)
     pub(super) fn new_around(
         record: &[Rec],
         old: Option<&Layout>,
@@ -546,7 +546,7 @@ impl Layout {
             .map(|&k| spots[k as usize].lifetime(k))
             .collect();
         // A layout placed for the rest of its step only is no plan (its positions before the
-        // rest share bytes with those of the rest): nothing is kept from it.
+        // rest may share bytes with those of the rest): nothing is kept from it.
         let plan = aligned_with
             .filter(|o| !o.one_step())
             .and_then(|o| o.kept_in(&spots, &placed, taken))

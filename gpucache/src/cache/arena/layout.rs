@@ -630,11 +630,7 @@ impl Layout {
     /// Whether the step recorded as `record` is aligned with the plan: the same step with other
     /// sizes, its k-th allocation matched with the k-th position, as many as there are.
     fn aligned(&self, record: &[Rec]) -> bool {
-        self.spots.len() == record.len()
-            && record
-                .iter()
-                .enumerate()
-                .all(|(k, r)| r.planned as usize == k)
+        self.spots.len() == record.len() && aligned_so_far(record)
     }
 
     /// Whether the step recorded as `record` goes on growing the step the plan was made from: it

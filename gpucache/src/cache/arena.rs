@@ -575,11 +575,8 @@ impl Plan {
     /// switched in or made again costs nothing for the views whose offsets did not change, and
     /// nothing at all for those it never uses.
     fn loosen_views(&mut self) {
-        for k in 0..self.views.len() {
-            if let Some(view) = self.views[k].take() {
-                let offset = self.layout.range(k as u32).start;
-                self.loose.park(offset, view);
-            }
+        for (_, offset, view) in idle_views(&mut self.views, &self.layout) {
+            self.loose.park(offset, view);
         }
     }
 
@@ -587,10 +584,7 @@ impl Plan {
     /// about to be shelved while the block stays: switched in again, it takes them back
     /// ([`Plan::unstash_views`]).
     fn stash_views(&mut self) {
-        let views = (0..)
-            .zip(&mut self.views)
-            .map(|(k, view)| Some((self.layout.range(k).start, view.take()?)))
-            .collect();
+        let views = idle_views(&mut self.views, &self.layout).collect();
         self.loose.stash(self.layout.id(), views);
     }
 
@@ -601,7 +595,7 @@ impl Plan {
         let Some(stashed) = self.loose.unstash(self.layout.id()) else {
             return;
         };
-        for (k, (offset, view)) in (0..).zip(stashed).filter_map(|(k, v)| Some((k, v?))) {
+        for (k, offset, view) in stashed {
             match self.views.get_mut(k as usize) {
                 Some(slot) if slot.is_none() && self.layout.range(k).start == offset => {
                     *slot = Some(view);
@@ -893,6 +887,17 @@ fn loose_cap(layout: &Layout, shelf: &[Shelved]) -> usize {
 }
 
 /// No view kept for any of `layout`'s positions.
+/// The idle views kept for the positions of `layout` (`views`, by position), taken out: each
+/// with its position and the offset it was made at (its position's).
+fn idle_views<'a>(
+    views: &'a mut [Option<Block>],
+    layout: &'a Layout,
+) -> impl Iterator<Item = (u32, usize, Block)> + 'a {
+    (0..)
+        .zip(views)
+        .filter_map(|(k, view)| Some((k, layout.range(k).start, view.take()?)))
+}
+
 fn no_views(layout: &Layout) -> Vec<Option<Block>> {
     std::iter::repeat_with(|| None).take(layout.len()).collect()
 }

@@ -26,16 +26,15 @@ use smallvec::SmallVec;
 
 use crate::backend::Block;
 
-/// A layout's idle views, by position, each with the offset it was made at.
-pub(super) type Stashed = Vec<Option<(usize, Block)>>;
+/// A layout's idle views, each with its position and the offset it was made at.
+pub(super) type Stashed = Vec<(u32, usize, Block)>;
 
 /// The loose views of a plan's block, by offset.
 #[derive(Default)]
 pub(in crate::cache) struct Loose {
     at: HashMap<usize, Idle>,
     /// The idle views of the positions of layouts shelved while the block stays (see
-    /// [`Loose::stash`]), the most recently stashed last: the layout's id, and per position
-    /// its view with the offset it was made at.
+    /// [`Loose::stash`]), the most recently stashed last: the layout's id, and its views.
     stashed: Vec<(u64, Stashed)>,
     /// The views in `at`.
     len: usize,
@@ -112,7 +111,7 @@ impl Loose {
         self.len += 1;
     }
 
-    /// Keeps the idle views of a layout's positions, `views` (per position, its view with the
+    /// Keeps the idle views of a layout's positions, `views` (each with its position and the
     /// offset it was made at), for the layout of id `layout` when it is switched in again on
     /// the same block ([`Loose::unstash`]): parked one by one, each view went into the map, and
     /// came out again at the layout's next step, where a step of one of the kinds that take
@@ -120,7 +119,7 @@ impl Loose {
     /// a varying batch: about a thousand positions a switch, two hash lookups each). The
     /// layouts stashed longest ago, past [`MAX_STASHED`], have their views parked.
     pub(super) fn stash(&mut self, layout: u64, views: Stashed) {
-        if views.iter().all(Option::is_none) {
+        if views.is_empty() {
             return;
         }
         // Views stashed for the layout before (it was not switched in since) go loose.
@@ -136,7 +135,7 @@ impl Loose {
 
     /// Parks each of `views` at the offset it was made at.
     fn park_all(&mut self, views: Stashed) {
-        for (offset, view) in views.into_iter().flatten() {
+        for (_, offset, view) in views {
             self.park(offset, view);
         }
     }
@@ -217,7 +216,7 @@ impl Loose {
         self.at.drain().flat_map(|(_, idle)| idle.views).chain(
             stashed
                 .into_iter()
-                .flat_map(|(_, views)| views.into_iter().flatten().map(|(_, view)| view)),
+                .flat_map(|(_, views)| views.into_iter().map(|(.., view)| view)),
         )
     }
 
@@ -322,11 +321,7 @@ mod tests {
         let at = |k: u64| (layout * 3 + k) as usize * 64;
         loose.stash(
             layout,
-            vec![
-                Some((at(0), view(b, at(0)))),
-                None,
-                Some((at(2), view(b, at(2)))),
-            ],
+            vec![(0, at(0), view(b, at(0))), (2, at(2), view(b, at(2)))],
         );
     }
 
@@ -334,14 +329,13 @@ mod tests {
     fn are_two(b: BlockPtr, layout: u64, views: Stashed) {
         // SAFETY: the block is alive until `give_back`.
         let base = unsafe { b.as_ref() }.block.address();
-        assert_eq!(views.len(), 3);
-        assert!(views[1].is_none());
-        for k in [0, 2] {
-            let (offset, view) = views[k].as_ref().expect("a view");
-            let at = (layout as usize * 3 + k) * 64;
+        let positions: Vec<u32> = views.iter().map(|&(k, ..)| k).collect();
+        assert_eq!(positions, [0, 2], "position 1 has none");
+        for (k, offset, view) in &views {
+            let at = (layout as usize * 3 + *k as usize) * 64;
             assert_eq!((*offset, view.address()), (at, base + at));
         }
-        drop_views(views.into_iter().flatten().map(|(_, v)| v));
+        drop_views(views.into_iter().map(|(.., v)| v));
     }
 
     #[test]
@@ -349,7 +343,7 @@ mod tests {
         let b = block();
         let mut loose = Loose::new(64);
         // A layout with no idle view stashes nothing.
-        loose.stash(99, vec![None, None]);
+        loose.stash(99, Vec::new());
         assert!(loose.unstash(99).is_none());
         // Layouts 0 to MAX_STASHED stash two views each: past the most stashed, the first
         // layout's went loose, at their offsets.

@@ -110,15 +110,18 @@
 //! ([`DeviceArena::recurs_reordered`]), so that once each batch size came twice, every step
 //! follows its own plan.
 //!
-//! Arrays that outlive their step (apart) are matched by position too. One apart in the
-//! recorded step and not near the request's size is skipped only when a later position is near
-//! it (a training step's first step makes its optimizer state in the middle of the step, the
-//! next steps do not); one apart in two steps running (a cache of keys and values) is never
-//! skipped, whatever its size. In a step that left its plan, an allocation matched with a run
-//! of such positions (a first step's optimizer state, [`Layout::in_state_run`]) is another
-//! array, a temporary: the gaps serve it. And an allocation far larger than its placed
-//! position expects at the step's scale ([`Layout::another_array`]) is another array, not the
-//! position's grown: the step leaves its plan there.
+//! Arrays that outlive their step (apart) are matched by position too. One apart in the recorded
+//! step and not near the request's size is skipped only when a later position is near it (a
+//! training step's first step makes its optimizer state in the middle of the step, the next steps
+//! do not); one apart in two steps running (a cache of keys and values) is never skipped, whatever
+//! its size; nor is one the step it was skipped in made again, of its size and matched with no
+//! position ([`Layout::state_made_again`]: a step whose first arrays all outlive it took its first
+//! array past them, as a first step's optimizer state, left its plan there, and was planned the
+//! same way again). In a step that left its plan, an allocation matched with a run of such
+//! positions (a first step's optimizer state, [`Layout::in_state_run`]) is another array, a
+//! temporary: the gaps serve it. And an allocation far larger than its placed position expects at
+//! the step's scale ([`Layout::another_array`]) is another array, not the position's grown: the
+//! step leaves its plan there.
 //!
 //! Arrays planned apart (they outlived the recorded step) get solo blocks rounded up to their size
 //! class; one that grew past its recorded size, and is small beside the most the cache has held (a

@@ -506,6 +506,7 @@ impl Layout {
             None => (0, Vec::new()),
         };
         let ahead = growth_ahead(record, &grew_from, grew_in_a_row, high);
+        let made_again = old.map_or_else(Vec::new, |o| o.state_made_again(record));
         let mut spots: Vec<Spot> = record
             .iter()
             .enumerate()
@@ -516,7 +517,8 @@ impl Layout {
                 let was = matched
                     .filter(|s| !s.apart && (aligned_with.is_some() || near(s.size, r.bytes)));
                 let apart = r.end == OPEN;
-                let recurs = apart && matched.is_some_and(|s| s.apart);
+                let recurs =
+                    apart && (matched.is_some_and(|s| s.apart) || made_again.get(k) == Some(&true));
                 let ahead = ahead.as_ref().map_or(0, |room| room[k]);
                 Spot {
                     offset: 0,
@@ -866,6 +868,50 @@ impl Layout {
         let s = &after[run];
         (run as u32 >= STATE_RUN && !s.apart && size <= s.size && near(size, s.size))
             .then_some(c + run as u32)
+    }
+
+    /// Which allocations of `record`, a step this plan served, are arrays apart of its own that
+    /// the plan had apart too but did not match ([`Layout::skips_run`] skipped them, or the
+    /// step left the plan before them), by index in `record` (empty when none): each outlived
+    /// the step, was matched with no position, and has the size of a position apart, not
+    /// recurring, that no allocation of the step was matched with (each such position counts
+    /// once). They are the recorded step's arrays made again, which recur. A step whose first
+    /// arrays all outlived it matched its first allocation past them with its first placed
+    /// position (the run taken for a first step's optimizer state), left its plan there, and
+    /// was planned again the same way at every step, allocating from the device every time.
+    fn state_made_again(&self, record: &[Rec]) -> Vec<bool> {
+        if !self.spots.iter().any(Spot::is_state) {
+            return Vec::new();
+        }
+        let mut matched = vec![false; self.spots.len()];
+        for r in record {
+            if let Some(m) = matched.get_mut(r.planned as usize) {
+                *m = true;
+            }
+        }
+        let mut unmatched: Vec<usize> = self
+            .spots
+            .iter()
+            .zip(&matched)
+            .filter(|(s, m)| s.is_state() && !**m)
+            .map(|(s, _)| s.size)
+            .collect();
+        unmatched.sort_unstable();
+        let mut again = Vec::new();
+        for (k, r) in record.iter().enumerate() {
+            if unmatched.is_empty() {
+                break;
+            }
+            if r.end != OPEN || r.planned != NONE {
+                continue;
+            }
+            if let Ok(i) = unmatched.binary_search(&r.bytes) {
+                unmatched.remove(i);
+                again.resize(record.len(), false);
+                again[k] = true;
+            }
+        }
+        again
     }
 
     /// The hit path of [`Layout::next`], for the allocation `rec` of the step, of `size`
@@ -2176,6 +2222,34 @@ mod tests {
         let mut l = Layout::new(&first_training_step(&params, 1), None);
         assert!(at(&mut l, 256).is_some());
         assert_eq!(l.next(4096, 1), (Serve::Apart, 1));
+    }
+
+    #[test]
+    fn arrays_apart_made_again_after_a_skipped_run_recur() {
+        // Nine arrays that outlive the step, then one that drops within it.
+        let sizes = [1024, 4096, 2048, 1024, 1024, 2048, 4096, 1024, 1024];
+        let n = sizes.len() as u32;
+        let mut first: Vec<Rec> = sizes.iter().map(|&b| rec(b, OPEN)).collect();
+        first.push(rec(1280, n + 1));
+        let mut l = Layout::new(&first, None);
+        // The next step's first array skips the run as a first step's optimizer state...
+        assert_eq!(l.next(1024, 0), (Serve::At(0), n));
+        // ...and the step makes the same arrays again, matched with no position.
+        let mut again = first.clone();
+        again[0].planned = n;
+        l.end_step();
+        let mut l = Layout::new(&again, Some(&l));
+        // The first is the placed position's, the others the run's made again: they recur.
+        let recurs: Vec<bool> = l.spots.iter().map(|s| s.recurs).collect();
+        let mut expected = vec![true; sizes.len()];
+        expected[0] = false;
+        expected.push(false);
+        assert_eq!(recurs, expected);
+        // So the step after is matched with them one by one, and follows the plan.
+        for (k, &size) in sizes.iter().enumerate() {
+            assert_eq!(l.next(size, k as u32), (Serve::Apart, k as u32));
+        }
+        assert_eq!(l.next(1280, n), (Serve::At(0), n));
     }
 
     #[test]

@@ -1215,6 +1215,16 @@ impl Layout {
         if asked > planned * SCALES || largest.0 > largest.1 * SCALES {
             return None;
         }
+        // Nor is a step whose array at the largest position so far is less than half of it
+        // while the step grew in all: its arrays are not the plan's, larger. A beam search's
+        // first step of a request whose source was longer than any before fitted no plan's
+        // first allocation, followed the plan of the last request's last step, matched its
+        // first 22 positions, 4 times their bytes in all, but 256 bytes at its largest (1.6 MB),
+        // and was scaled fourfold: a block of 450 MiB for a step of 88 MiB at once (BART
+        // generating with four beams, a check log: 2.448x of its peak live bytes; 1.190x so).
+        if 2 * largest.0 < largest.1 {
+            return None;
+        }
         // The largest position's ratio when it grew: the step's large arrays grow as the rest
         // of the step will, where its first ones may not (a detector's images, padded to the
         // batch's largest, grew 1.69x where its feature maps grew 1.11x: RetinaNet's second
@@ -2536,6 +2546,18 @@ mod tests {
         assert!(!l.scale(&[matched(256 * 65, 2, 0)], 0, 0), "65-fold");
         l.forget_growth();
         assert!(l.scale(&[matched(256 * 64, 2, 0)], 0, 0), "64-fold");
+        // Larger in all, but less than half of the largest position so far: another step's
+        // arrays.
+        let plan = [rec(1024, 2), rec(4096, 3), rec(1024, 3)];
+        let mut l = Layout::new(&plan, None);
+        let shrunk = [matched(8192, 2, 0), matched(1024, 3, 1)];
+        assert!(
+            !l.scale(&shrunk, 1, 0),
+            "its largest array a quarter of its position"
+        );
+        l.forget_growth();
+        let grown = [matched(8192, 2, 0), matched(4096, 3, 1)];
+        assert!(l.scale(&grown, 1, 0), "its largest array as planned");
     }
 
     #[test]

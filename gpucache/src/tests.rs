@@ -1860,9 +1860,11 @@ fn a_retired_blocks_free_bytes_serve_the_arrays_apart() {
 
 /// A room's block comes back once no array of it is alive, wherever they dropped: the last
 /// request's keys and values dropped on another thread (their ranges stay taken: the owner
-/// does not learn where they were), the owner lets go of the room at the next step's end; and
-/// `empty_cache` in the middle of a request leaves the arrays of a room alive and intact. Then
-/// nothing of the cache is in use: a hold kept on a block would count the block as in use.
+/// does not learn where they were), the owner lets go of the room when its stats are read
+/// between steps (as the next step's end would: read before, they counted the block in use
+/// with no array alive); and `empty_cache` in the middle of a request leaves the arrays of a
+/// room alive and intact. Then nothing of the cache is in use: a hold kept on a block would
+/// count the block as in use.
 #[test]
 fn a_rooms_block_comes_back_when_its_last_array_drops_anywhere() {
     let name = "unit-room-back";
@@ -1885,6 +1887,8 @@ fn a_rooms_block_comes_back_when_its_last_array_drops_anywhere() {
     })
     .join()
     .unwrap();
+    let between = crate::stats(name);
+    assert_eq!(between.bytes_in_use, 0, "between steps: {between:?}");
     drop(crate::enter(name));
     assert_eq!(
         crate::stats(name).bytes_in_use,

@@ -3381,8 +3381,11 @@ impl CacheState {
 
     /// Settles every device's plan and slabs for the arrays of their blocks dropped on other
     /// threads ([`Plan::settle_remote_drops`], [`DeviceArena::settle_slabs`]), so that the bytes
-    /// in use count live arrays only.
-    pub(super) fn settle_remote_drops(&mut self, st: &Counters) {
+    /// in use count live arrays only. Between steps (`between`), the rooms whose last arrays
+    /// dropped on other threads since the last step's end go too, as they would have at that
+    /// end (within a step, such a room still serves the step's arrays apart): their blocks were
+    /// counted in use with no array alive (an 8-thread stress test found one).
+    pub(super) fn settle_remote_drops(&mut self, st: &Counters, between: bool) {
         let mut retired = 0;
         for a in &mut self.arenas.devices {
             if let Some(plan) = &mut a.plan {
@@ -3391,6 +3394,11 @@ impl CacheState {
             retired += a.settle_slabs(st);
         }
         self.live += retired;
+        if between {
+            for i in 0..self.arenas.devices.len() {
+                self.let_go_unused_rooms(st, i, false);
+            }
+        }
     }
 
     /// The outermost scope exited: every device's step ends.
@@ -3796,12 +3804,18 @@ impl CacheState {
         self.take_back(st, block, generation, false, true)
     }
 
-    /// Lets go of device `i`'s rooms whose blocks no array uses any more (their last arrays
-    /// dropped on other threads), or all of them with `all`.
+    /// Ages device `i`'s rooms, and lets go of those whose blocks no array uses any more (their
+    /// last arrays dropped on other threads), or of all of them with `all`.
     fn let_go_rooms(&mut self, st: &Counters, i: usize, all: bool) {
         for room in &mut self.arenas.devices[i].rooms {
             room.age();
         }
+        self.let_go_unused_rooms(st, i, all);
+    }
+
+    /// Lets go of device `i`'s rooms whose blocks no array uses any more, or of all of them
+    /// with `all`.
+    fn let_go_unused_rooms(&mut self, st: &Counters, i: usize, all: bool) {
         for k in (0..self.arenas.devices[i].rooms.len()).rev() {
             let arena = self.arenas.devices[i].rooms[k].arena;
             // SAFETY: a room holds its block: alive while held.

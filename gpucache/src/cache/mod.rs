@@ -657,7 +657,7 @@ impl CacheCell {
         let active = self.is_active();
         self.owned(|state, st| {
             self.drain_returned(state, active);
-            state.settle_remote_drops(st);
+            state.settle_remote_drops(st, !active);
         });
         self.snapshot()
     }

@@ -20,12 +20,12 @@
 //! H100, the median of 7 rounds, when every view made a cudarc slice with two events).
 //!
 //! Only a block whose arrays alive take a sixteenth of it or more when it is retired gets a room
-//! ([`ROOM_SHARE`]), at most [`MAX_ROOMS`] at once. The hold is one more view in the block's
-//! count ([`ArenaBlock::retire_held`](super::block::ArenaBlock::retire_held)), so the block
-//! stays alive, and its free ranges known, whatever drops on other threads; the owner lets go
-//! when no array's view of the block is alive (at such a drop on the owner thread, or at a
-//! step's end), and the block comes back as a retired block's does. `invalidate`,
-//! `empty_cache` and out-of-memory recovery let go of every room.
+//! ([`ROOM_SHARE`]), at most [`MAX_ROOMS`] at once. The hold is one more view in the block's count
+//! ([`ArenaBlock::retire_held`](super::block::ArenaBlock::retire_held)), so the block stays alive,
+//! and its free ranges known, whatever drops on other threads; the owner lets go when no array's
+//! view of the block is alive (at such a drop on the owner thread, or at a step's end, or when the
+//! cache's stats are read between steps), and the block comes back as a retired block's does.
+//! `invalidate`, `empty_cache` and out-of-memory recovery let go of every room.
 //!
 //! What a room knows is free: the bytes of the block that no array used when it was retired,
 //! and those of its arrays dropped since on the owner thread and used on no other stream. An

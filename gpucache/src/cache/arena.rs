@@ -889,7 +889,6 @@ fn loose_cap(layout: &Layout, shelf: &[Shelved]) -> usize {
     2 * (layout.len() + shelved).max(64)
 }
 
-/// No view kept for any of `layout`'s positions.
 /// The idle views kept for the positions of `layout` (`views`, by position), taken out: each
 /// with its position and the offset it was made at (its position's).
 fn idle_views<'a>(
@@ -901,6 +900,7 @@ fn idle_views<'a>(
         .filter_map(|(k, view)| Some((k, layout.range(k).start, view.take()?)))
 }
 
+/// No view kept for any of `layout`'s positions.
 fn no_views(layout: &Layout) -> Vec<Option<Block>> {
     std::iter::repeat_with(|| None).take(layout.len()).collect()
 }

@@ -818,6 +818,53 @@ fn a_plan_is_scaled_as_its_largest_array_grew() {
     );
 }
 
+/// Two steps larger than the plan's, each scaled from the plan by its first arrays' ratio: in the
+/// first, one array grows 4% more than that and misses its scaled place (served from the block's
+/// free bytes); in the second, the feature map grows 3% more, past the 64th a plan scaled takes
+/// more, but within what the first step's array lacked, which the plans scaled since take too:
+/// the map is served at its place. Else it went apart, a block of its own beside the scaled one
+/// (1.54x of the step's peak live bytes; wav2vec2 on clips of varying length, whose arrays do not
+/// all grow in one ratio: 1.367x of its peak live bytes, 1.085x so).
+#[test]
+fn a_plan_scaled_after_an_array_outgrew_its_scaled_place_takes_what_it_lacked() {
+    let name = "unit-scale-margin";
+    let (backend, _installed, _serial) = planned(name);
+    // An input alive through the step, two arrays alive across the map, the map, two more: the
+    // map and the fifth grown by `map` and `fifth` more than the rest. Returns the step's device
+    // allocations and the most bytes held over its peak live bytes.
+    let step = |s: usize, map: f64, fifth: f64| {
+        let grown = |pages: usize, by: f64| (pages as f64 * by) as usize;
+        let lives = [
+            (s / 10, 6),
+            (25 * s, 4),
+            (10 * s, 4),
+            (grown(40 * s, map), 6),
+            (grown(5 * s, fifth), 6),
+            (5 * s, 6),
+        ];
+        let allocs = backend.allocs();
+        backend.reset_peak();
+        let live = lifetimes_step(name, &lives);
+        (
+            backend.allocs() - allocs,
+            backend.peak_bytes() as f64 / live as f64,
+        )
+    };
+    for _ in 0..3 {
+        step(40, 1.0, 1.0);
+    }
+    step(50, 1.0, 1.04);
+    let (allocs, held) = step(60, 1.03, 1.04);
+    // The input grew past its position (apart), and the plan scaled takes a block.
+    assert_eq!(allocs, 2, "the map went apart");
+    assert!(
+        held < 1.05,
+        "the step held {held:.3}x of its peak live bytes"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A step whose second input is four times the plan's (its plan's block goes back once unused,
 /// for the plan scaled) while its feature maps are smaller than planned: by the time the block is
 /// unused the step no longer asks for more than the plan holds, and it follows the plan as it is,

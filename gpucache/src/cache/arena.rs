@@ -17,7 +17,8 @@
 //! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
 //! the ratio in which the step grew (its largest array's so far, when that grew;
 //! [`Layout::scale`]; its rest placed again when the arrays made before would keep bytes of it
-//! unused), serves the rest of the step from one new block (the plan as it is, when by then the
+//! unused), a [`Margin`] more (raised when a step's array missed its scaled place:
+//! [`DeviceArena::learn_margin`]), serves the rest of the step from one new block (the plan as it is, when by then the
 //! step no longer asks for more than the plan holds). The scaled plan stays the plan if it
 //! held the step as it was ([`Layout::holds`]: its offsets, and the views made at them, stay);
 //! else the next plan keeps the block when it fits. Any other step (another order, extra or
@@ -327,7 +328,7 @@ use block::{
 };
 use device::{Awaiting, DeviceArena, Held, Pin, Plan, Shelved, Tally};
 use gaps::Gaps;
-use layout::{Layout, MAX_POSITIONS, NONE, OPEN, Rec, Serve};
+use layout::{Layout, MAX_POSITIONS, Margin, NONE, OPEN, Rec, Serve};
 use loose::{Loose, drop_views};
 use online::MAX_ONLINE_PINS;
 use room::{MAX_ROOMS, ROOM_SHARE, Room};
@@ -1237,6 +1238,7 @@ impl DeviceArena {
             shadow_wait: 0,
             around_missed: 0,
             shadow_misses: 0,
+            margin: Margin::default(),
             rooms: Vec::new(),
         }
     }
@@ -1849,6 +1851,21 @@ impl DeviceArena {
         self.detach(st, b, in_use, true)
     }
 
+    /// Position `pos` of a plan scaled for the step, which it followed so far, is too small for
+    /// the allocation of `size` aligned bytes made there: the step's arrays grew in more than
+    /// the scale's ratio, and the next plans scaled take what it lacked more
+    /// ([`Margin::learned`]). Not from a position under a 256th of the footprint (small
+    /// arrays are rounded to the alignment, and their ratios say little).
+    fn learn_margin(&mut self, pos: u32, size: usize) {
+        let Some(plan) = &self.plan else {
+            return;
+        };
+        let place = plan.layout.range(pos).len();
+        if place >= plan.layout.footprint / 256 {
+            self.margin = self.margin.learned(size, place);
+        }
+    }
+
     /// Whether position `pos`, which `size` aligned bytes outgrow, is served apart on its own
     /// while the step stays on its plan: it is placed and free, and the bytes grown so far this
     /// step stay within a [`GROWN_BUDGET`]th of the plan's footprint (a step that grows
@@ -2047,7 +2064,10 @@ impl DeviceArena {
         // made at; the tail (it handed nothing out) is past a footprint that may change.
         plan.loosen_views();
         plan.tail = None;
-        let Some(bytes) = plan.layout.scale_around(&self.record, pos, &pinned) else {
+        let Some(bytes) = plan
+            .layout
+            .scale_around(&self.record, pos, &pinned, self.margin)
+        else {
             return false;
         };
         if bytes > plan.block_bytes() && (!plan.grows_now() || !self.grow_block(st, arena, bytes)) {
@@ -2785,6 +2805,9 @@ impl CacheState {
                 end: OPEN,
                 planned: pos,
             });
+            if a.scaled && !a.diverged && matches!(serve, Serve::Diverged) {
+                a.learn_margin(pos, size);
+            }
             // A position larger than planned, in a step that stays on its plan: the block's
             // tail, else apart on its own ([`DeviceArena::grows_in_place`]), unless the step is
             // short of its plan so far: then it leaves the plan here.
@@ -2899,7 +2922,7 @@ impl CacheState {
                         && let Some(plan) = &mut a.plan
                         && plan.block.is_none()
                         && 2 * rec < plan.layout.len() as u32
-                        && let Some(scaled) = if plan.layout.scale(&a.record, pos, room) {
+                        && let Some(scaled) = if plan.layout.scale(&a.record, pos, room, a.margin) {
                             Some(true)
                         } else {
                             plan.layout.no_larger(&a.record).then_some(false)
@@ -3448,6 +3471,7 @@ impl CacheState {
             a.shadow_wait = 0;
             a.shadow_misses = 0;
             a.around_missed = 0;
+            a.margin = Margin::default();
             // Nor does the planner's choice of its first way to place a step's arrays.
             a.planner_hint.take();
         }

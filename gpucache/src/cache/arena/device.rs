@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::block::BlockPtr;
 use super::gaps::Gaps;
-use super::layout::{Layout, Rec};
+use super::layout::{Layout, Margin, Rec};
 use super::loose::Loose;
 use super::online::Shadow;
 use super::room::Room;
@@ -222,6 +222,9 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) around_missed: u8,
     /// How many shadows stopped without the scope going online.
     pub(super) shadow_misses: u32,
+    /// What a plan scaled for a step takes more than the step's ratio: raised when an array of
+    /// a step scaled so was larger than its place, until the cache's cold start.
+    pub(super) margin: Margin,
     /// Plan blocks retired under arrays alive in them, held by the owner: their free bytes
     /// serve the arrays served apart until they come back (see the `room` module). At most
     /// [`MAX_ROOMS`](super::room::MAX_ROOMS).

@@ -1298,6 +1298,52 @@ fn steps_that_never_come_again_are_served_online_once_plans_hold_more() {
     assert_eq!(backend.outstanding_bytes(), 0);
 }
 
+/// A training loop whose first step makes its optimizer's state (kept for good) and whose later
+/// steps, on a larger batch, repeat: the second step outgrows the first's plan (made from a cold
+/// start) and is served from the plan scaled, and the cache's peak then, counted with the state,
+/// is past what online serving would have held over the steps since. But the plans hold every
+/// later step whole, and without the state (which online serving never sees) they held no more:
+/// the scope stays on its plans. It went online at its fifth step (GPT-2 trained with
+/// micro-batches accumulated, whose second step left its first's plan: one device allocation
+/// there, and host time at every step).
+#[test]
+fn a_training_loop_whose_plans_hold_its_steps_stays_on_them() {
+    let name = "unit-online-settled";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    let mut state: Vec<Array<u32>> = Vec::new();
+    let step = |state: &mut Vec<Array<u32>>, first: bool| {
+        let _scope = crate::enter(name);
+        let k = if first { 1024 } else { 1280 };
+        let input = filled(64 * k, 1);
+        chain([256, 192, 256, 128].map(|n| n * k));
+        if first {
+            state.extend((0..12).map(|i| filled(96 * 1024, 100 + i)));
+        }
+        chain([128, 256, 192, 64].map(|n| n * k));
+        assert!(holds(&input, 1));
+    };
+    let online0 = online_steps();
+    step(&mut state, true);
+    step(&mut state, false);
+    let allocs = backend.allocs();
+    for _ in 0..12 {
+        step(&mut state, false);
+    }
+    assert_eq!(online_steps(), online0, "the scope went online");
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "device allocations after the second step"
+    );
+    for (i, a) in (100..).zip(&state) {
+        assert!(holds(a, i));
+    }
+    drop(state);
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// Runs a detector's steps ([`unrepeated_step`]) in scope `name` until one is served online.
 /// Returns the outputs the last step kept and the value the next step starts from.
 fn steps_until_online(name: &str, rng: &mut Xorshift) -> (Option<[Array<u32>; 2]>, u32) {

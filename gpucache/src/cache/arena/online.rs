@@ -90,6 +90,12 @@ pub(in crate::cache) struct Shadow {
     kept: Vec<(u32, usize, u32)>,
     /// How many steps it has seen.
     steps: u32,
+    /// How many of them followed their plans to the end and kept them, with no device
+    /// allocation.
+    plans_held: u32,
+    /// The bytes the cache had in use when it began on arrays of earlier steps, which it never
+    /// sees (a training loop's parameters, gradients and optimizer state).
+    before: usize,
     /// The bytes of the arrays it holds.
     live: usize,
     /// The most bytes of arrays it held at once: online serving's lower bound.
@@ -99,6 +105,15 @@ pub(in crate::cache) struct Shadow {
 }
 
 impl Shadow {
+    /// A shadow beginning at a step's end, when the cache has `before` bytes in use on arrays
+    /// of earlier steps.
+    pub(super) fn starting(before: usize) -> Shadow {
+        Shadow {
+            before,
+            ..Shadow::default()
+        }
+    }
+
     /// The bytes online serving would have held at most, so far.
     pub(super) fn held(&self) -> usize {
         self.gaps.as_ref().map_or(0, Gaps::bytes)
@@ -112,6 +127,22 @@ impl Shadow {
     /// How many steps it has seen.
     pub(super) fn steps(&self) -> u32 {
         self.steps
+    }
+
+    /// The step just seen followed its plan to the end and kept it, with no device allocation.
+    pub(super) fn plan_held(&mut self) {
+        self.plans_held = self.plans_held.saturating_add(1);
+    }
+
+    /// Whether every step it has seen after its first (the one that left its plan) followed
+    /// its plan to the end and kept it, with no device allocation.
+    pub(super) fn plans_held_since(&self) -> bool {
+        self.plans_held.saturating_add(1) >= self.steps
+    }
+
+    /// The bytes the cache had in use when it began on arrays of earlier steps.
+    pub(super) fn before(&self) -> usize {
+        self.before
     }
 
     /// Step `step` ended: `record` holds its allocations in order (an array still alive has

@@ -3,8 +3,8 @@
 
 use crate::backend::VIEWS_MADE;
 use crate::cache::{
-    MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, ROOMS_HELD, SHELVED_MOST, SLAB_BYTES,
-    SLABS_MADE,
+    MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, ROOMS_HELD, SHADOWED_STEPS, SHELVED_MOST,
+    SLAB_BYTES, SLABS_MADE,
 };
 use std::sync::Arc;
 
@@ -1303,9 +1303,10 @@ fn steps_that_never_come_again_are_served_online_once_plans_hold_more() {
 /// start) and is served from the plan scaled, and the cache's peak then, counted with the state,
 /// is past what online serving would have held over the steps since. But the plans hold every
 /// later step whole, and without the state (which online serving never sees) they held no more:
-/// the scope stays on its plans. It went online at its fifth step (GPT-2 trained with
-/// micro-batches accumulated, whose second step left its first's plan: one device allocation
-/// there, and host time at every step).
+/// the scope stays on its plans, and the shadow that measured online serving stops once it has
+/// measured the steps it needs to say so (each step it measures costs host time). It went online
+/// at its fifth step (GPT-2 trained with micro-batches accumulated, whose second step left its
+/// first's plan: one device allocation there, and host time at every step).
 #[test]
 fn a_training_loop_whose_plans_hold_its_steps_stays_on_them() {
     let name = "unit-online-settled";
@@ -1323,7 +1324,7 @@ fn a_training_loop_whose_plans_hold_its_steps_stays_on_them() {
         chain([128, 256, 192, 64].map(|n| n * k));
         assert!(holds(&input, 1));
     };
-    let online0 = online_steps();
+    let (online0, shadowed0) = (online_steps(), SHADOWED_STEPS.with(std::cell::Cell::get));
     step(&mut state, true);
     step(&mut state, false);
     let allocs = backend.allocs();
@@ -1331,6 +1332,8 @@ fn a_training_loop_whose_plans_hold_its_steps_stays_on_them() {
         step(&mut state, false);
     }
     assert_eq!(online_steps(), online0, "the scope went online");
+    let shadowed = SHADOWED_STEPS.with(std::cell::Cell::get) - shadowed0;
+    assert_eq!(shadowed, 4, "steps measured by a shadow");
     assert_eq!(
         backend.allocs(),
         allocs,

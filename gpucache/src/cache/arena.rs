@@ -12,37 +12,36 @@
 //! follow it: position k gets a view of the plan's block at its offset when
 //! [`Layout::serve`] says it may (no larger than planned, no array alive over those bytes).
 //! Else the step is marked *diverged*, and is planned again at its end, with each position's
-//! largest size. Until then, a step that outgrew the plan (matched with it position by
-//! position, and larger in all than the block allows) gets solo blocks while the plan's block is
-//! in use, and the block goes back to the device once no array uses it; then the plan, scaled by
-//! the ratio in which the step grew (its largest array's so far, when that grew;
-//! [`Layout::scale`]; its rest placed again when the arrays made before would keep bytes of it
-//! unused), a [`Margin`] more (raised when a step's array missed its scaled place:
-//! [`DeviceArena::learn_margin`]), serves the rest of the step from one new block (the plan as it is, when by then the
-//! step no longer asks for more than the plan holds). The scaled plan stays the plan if it
-//! held the step as it was ([`Layout::holds`]: its offsets, and the views made at them, stay);
-//! else the next plan keeps the block when it fits. Any other step (another order, extra or
-//! missing allocations, an array kept alive) is served from the block's free ranges ([`Gaps`]:
-//! best fit, each array toward the end of the block where the plan placed its position, so that
-//! the plan's long-lived arrays keep together as it arranged them; from the bottom only in a step
-//! that outgrew its plan and is served from its block), and so is a step that outgrew its plan
-//! when waiting for the block would cost too much: arrays planned to live past the first eighth
-//! of the rest of the step hold it (a training step's forward pass, an attention mask; but first
-//! the plan scaled as the step grew is placed again for the rest of the step, around the arrays
-//! alive in the block, each until its planned end, and serves it from the block, grown in place
-//! if need be, when that needs no more bytes than the plan scaled whole:
-//! [`Layout::scale_around`], [`DeviceArena::rest_around`]), or half the
-//! plan's footprint went apart while waiting, or by the time the block is unused the step can no
-//! longer follow the plan scaled (it left the plan's order, or passed its middle; the block
-//! goes back after all if it holds nothing when an array apart would take the cache past its
-//! peak). An allocation the gaps cannot hold gets a solo block; the gaps close for it only when
-//! no array uses the block and the plan can be scaled (then the block goes back, and the scaled
-//! plan serves the rest). A plan made again is merged with the old one position by position
-//! (each position's largest size) when the step matched it so, but not when the merged plan
-//! would hold an eighth more than both the old plan and the step's peak (as many allocations in
-//! another arrangement). So a fixed-shape loop settles on one plan after its second step, and a
-//! loop whose sizes vary settles on one that fits its largest step, with one block allocated per
-//! step larger than every one before it rather than one per array.
+//! largest size. Until then, a step that outgrew the plan (matched with it position by position,
+//! and larger in all than the block allows) gets solo blocks while the plan's block is in use, and
+//! the block goes back to the device once no array uses it; then the plan, scaled by the ratio in
+//! which the step grew (its largest array's so far, when that grew; [`Layout::scale`]; its rest
+//! placed again when the arrays made before would keep bytes of it unused), a [`Margin`] more
+//! (raised when a step's array missed its scaled place: [`DeviceArena::learn_margin`]), serves the
+//! rest of the step from one new block (the plan as it is, when by then the step no longer asks for
+//! more than the plan holds). The scaled plan stays the plan if it held the step as it was
+//! ([`Layout::holds`]: its offsets, and the views made at them, stay); else the next plan keeps the
+//! block when it fits. Any other step (another order, extra or missing allocations, an array kept
+//! alive) is served from the block's free ranges ([`Gaps`]: best fit, each array toward the end of
+//! the block where the plan placed its position, so that the plan's long-lived arrays keep together
+//! as it arranged them; from the bottom only in a step that outgrew its plan and is served from its
+//! block), and so is a step that outgrew its plan when waiting for the block would cost too much:
+//! arrays planned to live past the first eighth of the rest of the step hold it (a training step's
+//! forward pass, an attention mask; but first the plan scaled as the step grew is placed again for
+//! the rest of the step, around the arrays alive in the block, each until its planned end, and
+//! serves it from the block, grown in place if need be, when that needs no more bytes than the plan
+//! scaled whole: [`Layout::scale_around`], [`DeviceArena::rest_around`]), or half the plan's
+//! footprint went apart while waiting, or by the time the block is unused the step can no longer
+//! follow the plan scaled (it left the plan's order, or passed its middle; the block goes back
+//! after all if it holds nothing when an array apart would take the cache past its peak). An
+//! allocation the gaps cannot hold gets a solo block; the gaps close for it only when no array uses
+//! the block and the plan can be scaled (then the block goes back, and the scaled plan serves the
+//! rest). A plan made again is merged with the old one position by position (each position's
+//! largest size) when the step matched it so, but not when the merged plan would hold an eighth
+//! more than both the old plan and the step's peak (as many allocations in another arrangement). So
+//! a fixed-shape loop settles on one plan after its second step, and a loop whose sizes vary
+//! settles on one that fits its largest step, with one block allocated per step larger than every
+//! one before it rather than one per array.
 //!
 //! # Positions that grow, and kinds of step
 //!
@@ -160,10 +159,7 @@
 //! [`online::Shadow`] simulates serving the steps *online* on their records; once, after
 //! [`ONLINE_AFTER`] steps, the cache's peak (over the most bytes alive at once in a step) is
 //! more than an [`ONLINE_MARGIN`]th above the shadow's (over the most bytes it held alive), and
-//! the plan's block can grow in place, the scope is served online (unless the plans held every
-//! step since the shadow's first whole and their peak, less the arrays made before the shadow
-//! began, which it never sees, is within that margin: a training loop whose optimizer state
-//! made the step that left a cold plan look worse than it was) ([`DeviceArena::online`]):
+//! the plan's block can grow in place, the scope is served online ([`DeviceArena::online`]):
 //! every allocation from the block's free ranges ([`Gaps`], best fit, opened at the step's
 //! first allocation around the pins), the block grown at its top when none holds an array
 //! ([`online::growth`]), the arrays alive at a step's end pinned where they are
@@ -172,8 +168,12 @@
 //! has the plans serve the scope again; `invalidate`, `empty_cache` and out-of-memory recovery
 //! forget the shadow and the choice with the plans. A shadow that measured [`SHADOW_STEPS`]
 //! steps without the scope going online stops, the next starting later and later (a CNN whose
-//! batch varies: its plans hold it better); so does one after [`ONLINE_AFTER`] steps that the
-//! plans all held (it costs host time at every step it measures). See the `online` module.
+//! batch varies: its plans hold it better). Nor does a scope go online whose plans held every
+//! step since the shadow's first whole when their peak, less the arrays made before the shadow
+//! began (which it never sees: a training loop's optimizer state, which made the step that left
+//! a cold plan look worse than it was), is within that margin; its shadow stops then, after
+//! [`ONLINE_AFTER`] steps (it costs host time at every step it measures). See the `online`
+//! module.
 //!
 //! Small arrays (at most [`layout::SMALL`] bytes: a detector's scores, indices, sizes) kept in
 //! the block from earlier steps split its free bytes where best fit put them. Once the block

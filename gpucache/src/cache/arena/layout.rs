@@ -1290,8 +1290,8 @@ impl Layout {
     /// larger).
     ///
     /// Every placed position's offset and end are multiplied by the ratio, `margin` more, and
-    /// rounded up to the alignment. That map is monotone, so positions whose ranges were disjoint stay disjoint,
-    /// and the layout stays a valid plan whatever the ratio.
+    /// rounded up to the alignment. That map is monotone, so positions whose ranges were disjoint
+    /// stay disjoint, and the layout stays a valid plan whatever the ratio.
     ///
     /// But the arrays of the positions before `from` are not in the new block (in the old one,
     /// or apart), and those planned to live on past `from` keep their bytes there unused: an

@@ -1402,17 +1402,6 @@ impl DeviceArena {
         st.gauge(self.gauge).held.load(Relaxed) as usize
     }
 
-    /// The bytes of the cache's arrays alive on the device now (held, neither cached nor
-    /// waiting).
-    fn in_use(&self, st: &Counters) -> usize {
-        let g = st.gauge(self.gauge);
-        let free = g
-            .cached
-            .load(Relaxed)
-            .saturating_add(g.waiting.load(Relaxed));
-        g.held.load(Relaxed).saturating_sub(free) as usize
-    }
-
     /// Takes the bytes the cache holds on the device now into [`DeviceArena::high`].
     fn note_held(&mut self, st: &Counters) {
         self.high = self.high.max(self.held(st));
@@ -2305,12 +2294,12 @@ impl DeviceArena {
             return;
         }
         self.shadow_wait = self.shadow_wait.saturating_sub(1);
-        let in_use = self.in_use(st);
         let shadow = match &mut self.shadow {
             Some(shadow) => shadow,
             None if (self.diverged || self.scaled) && self.shadow_wait == 0 => {
                 // The arrays of earlier steps alive now, which the shadow never sees (those of
                 // this step alive at its end, it does).
+                let (in_use, _) = super::traced::gauge_bytes(st, self.gauge);
                 let open = self.record.iter().filter(|r| r.end == OPEN);
                 let before = in_use.saturating_sub(open.map(|r| r.bytes).sum());
                 self.shadow.insert(Box::new(Shadow::starting(before)))

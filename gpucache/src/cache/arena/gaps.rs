@@ -4,7 +4,7 @@
 //! When a step diverges from its plan (a position larger than planned, more positions than
 //! planned, or bytes still taken), the plan's offsets no longer say where its arrays may go. The
 //! bytes of the block that no array uses do: at the divergence every position alive is taken out
-//! of the block's range, and what is left becomes the gaps ([`range_alloc::RangeAllocator`]).
+//! of the block's range, and what is left becomes the gaps ([`Free`]).
 //! Each later allocation of the step takes a range from them, and gives it back when its array
 //! drops on the owner thread; so does a position that was alive at the divergence. Only what
 //! does not fit is allocated from the device. The step is planned again at its end, and the gaps
@@ -33,12 +33,10 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use range_alloc::RangeAllocator;
-
 /// The free ranges of a plan's block in a diverged step, and the ranges taken from them.
 #[derive(Debug)]
 pub(super) struct Gaps {
-    free: RangeAllocator<usize>,
+    free: Free,
     /// The ranges handed out, by the index in the step's record of their allocation: the offset
     /// of allocation `first + k` at `k`, [`NOT_OUT`] where there is none (an allocation served
     /// another way, or its range given back). Indices only grow, so this is a window from the
@@ -62,20 +60,21 @@ impl Gaps {
     pub(super) fn new(bytes: usize, used: impl IntoIterator<Item = Range<usize>>) -> Gaps {
         let mut used: Vec<Range<usize>> = used.into_iter().filter(|r| r.start < r.end).collect();
         used.sort_unstable_by_key(|r| r.start);
-        let mut free = RangeAllocator::new(0..bytes.max(1));
-        // Everything taken, then each gap between the used ranges given back.
-        let all = free.allocate_range(bytes.max(1));
-        debug_assert!(all.is_ok());
+        // The block's bytes between the used ranges, in order.
+        let mut ranges = Vec::new();
         let mut top = 0;
         for r in used.iter().chain(std::iter::once(&(bytes..bytes))) {
             let start = r.start.min(bytes);
             if start > top {
-                free.free_range(top..start);
+                ranges.push((top, start));
             }
             top = top.max(r.end.min(bytes));
         }
         Gaps {
-            free,
+            free: Free {
+                ranges,
+                end: bytes.max(1),
+            },
             taken: VecDeque::new(),
             first: 0,
             out: 0,
@@ -88,23 +87,7 @@ impl Gaps {
         if size == 0 {
             return None;
         }
-        let at = if high {
-            // Best fit takes the whole of a smallest gap that holds `size` (one of exactly that
-            // length), and its bottom goes back: the array is at the gap's top.
-            let fit = self
-                .free_ranges()
-                .map(|r| r.len())
-                .filter(|&l| l >= size)
-                .min()?;
-            let gap = self.free.allocate_range(fit).ok()?;
-            let top = gap.end - size;
-            if top > gap.start {
-                self.free.free_range(gap.start..top);
-            }
-            top
-        } else {
-            self.take_range(size)?
-        };
+        let at = self.free.take(size, high)?;
         self.hand_out(rec, at);
         Some(at)
     }
@@ -116,7 +99,7 @@ impl Gaps {
         if size == 0 {
             return None;
         }
-        self.free.allocate_range(size).ok().map(|r| r.start)
+        self.free.take(size, false)
     }
 
     /// Whether a byte of `range` is free.
@@ -125,19 +108,9 @@ impl Gaps {
             .any(|r| r.start < range.end && range.start < r.end)
     }
 
-    /// The free ranges, in the order of their offsets (the complement of the allocator's
-    /// allocated ranges in the block).
+    /// The free ranges, in the order of their offsets.
     fn free_ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        let end = self.free.initial_range().end;
-        let mut bottom = 0;
-        self.free
-            .allocated_ranges()
-            .chain(std::iter::once(end..end))
-            .filter_map(move |used| {
-                let gap = bottom..used.start;
-                bottom = used.end;
-                (gap.start < gap.end).then_some(gap)
-            })
+        self.free.ranges.iter().map(|&(start, end)| start..end)
     }
 
     /// The array of allocation `rec`, of `size` bytes, dropped: its range is free again.
@@ -153,7 +126,7 @@ impl Gaps {
             self.taken.pop_front();
             self.first += 1;
         }
-        self.free.free_range(offset..offset + size);
+        self.free.give_back(offset, offset + size);
         Some(offset)
     }
 
@@ -169,7 +142,10 @@ impl Gaps {
             self.first = rec;
         }
         let k = (rec - self.first) as usize;
-        if k >= self.taken.len() {
+        if k == self.taken.len() {
+            // The next allocation of the step, as most are.
+            self.taken.push_back(NOT_OUT);
+        } else if k > self.taken.len() {
             self.taken.resize(k + 1, NOT_OUT);
         }
         let slot = &mut self.taken[k];
@@ -207,41 +183,181 @@ impl Gaps {
     /// The bytes of a position alive at the divergence, `range`, are free again.
     pub(super) fn free(&mut self, range: Range<usize>) {
         if range.start < range.end {
-            self.free.free_range(range);
+            self.free.give_back(range.start, range.end);
         }
     }
 
     /// The block grew to `bytes`: its new bytes are a gap (joined to the top one, if free).
     pub(super) fn grow(&mut self, bytes: usize) {
-        if bytes > self.bytes() {
-            self.free.grow_to(bytes);
-        }
+        self.free.grow(bytes);
     }
 
     /// The bytes of the block the gaps are of.
     pub(super) fn bytes(&self) -> usize {
-        self.free.initial_range().end
+        self.free.end
     }
 
     /// The bytes free at the block's top (the gap that ends where the block does, if any): an
     /// array of `size` bytes that no gap holds needs the block grown by `size` less these.
     pub(super) fn top_free(&self) -> usize {
-        self.free_ranges()
+        self.free
+            .ranges
             .last()
-            .filter(|r| r.end == self.bytes())
-            .map_or(0, |r| r.len())
+            .filter(|r| r.1 == self.free.end)
+            .map_or(0, |r| r.1 - r.0)
     }
 
     /// The free bytes (tests).
     #[cfg(test)]
     fn available(&self) -> usize {
-        self.free.total_available()
+        self.free.ranges.iter().map(|r| r.1 - r.0).sum()
+    }
+}
+
+/// The free ranges of a block of `end` bytes: disjoint, apart (two that meet are one) and in
+/// order of offset, as `(start, end)`. An array takes the smallest that holds it (the lowest of
+/// those), at its bottom or its top, in one pass over them; a range given back joins its
+/// neighbours, found by a binary search. A step's gaps are a few dozen ranges at most.
+///
+/// The `range-alloc` crate served here before and chose the same ranges, but generic over the
+/// offsets' type, with a sum of every range's bytes at each allocation (for its error) and a
+/// linear search for a range given back: the online tier's shadow of BART's beam search took
+/// 878 instructions an array with it, 576 now (callgrind; see BENCHMARKS.md).
+#[derive(Debug)]
+struct Free {
+    ranges: Vec<(usize, usize)>,
+    end: usize,
+}
+
+impl Free {
+    /// The offset of `size` bytes taken from the smallest free range that holds them (the
+    /// lowest of several), at its bottom, or at its top when `high`.
+    fn take(&mut self, size: usize, high: bool) -> Option<usize> {
+        let mut best: Option<(usize, usize)> = None;
+        for (i, &(start, end)) in self.ranges.iter().enumerate() {
+            let len = end - start;
+            if len >= size && best.is_none_or(|(_, b)| len < b) {
+                best = Some((i, len));
+                if len == size {
+                    break;
+                }
+            }
+        }
+        let (i, len) = best?;
+        let range = &mut self.ranges[i];
+        let at = if high { range.1 - size } else { range.0 };
+        if len == size {
+            self.ranges.remove(i);
+        } else if high {
+            range.1 -= size;
+        } else {
+            range.0 += size;
+        }
+        Some(at)
+    }
+
+    /// `start..end` is free again, joined to the free ranges it meets. A range that overlaps
+    /// one free already (which no caller gives back: a range is given back once) is left out
+    /// rather than joined, so that no byte is handed out twice.
+    fn give_back(&mut self, start: usize, end: usize) {
+        debug_assert!(start < end && end <= self.end);
+        let i = self.ranges.partition_point(|r| r.0 < start);
+        let left = i.checked_sub(1).map(|l| self.ranges[l]);
+        let right = self.ranges.get(i).copied();
+        let overlaps =
+            left.is_some_and(|l| l.1 > start) || right.is_some_and(|r| r.0 < end) || end > self.end;
+        debug_assert!(!overlaps, "{start}..{end} given back twice");
+        if overlaps {
+            return;
+        }
+        match (left.filter(|l| l.1 == start), right.filter(|r| r.0 == end)) {
+            (Some(_), Some(r)) => {
+                self.ranges[i - 1].1 = r.1;
+                self.ranges.remove(i);
+            }
+            (Some(_), None) => self.ranges[i - 1].1 = end,
+            (None, Some(_)) => self.ranges[i].0 = start,
+            (None, None) => self.ranges.insert(i, (start, end)),
+        }
+    }
+
+    /// The block grew to `bytes` (if more): its new bytes are free, joined to its top range.
+    fn grow(&mut self, bytes: usize) {
+        if bytes <= self.end {
+            return;
+        }
+        match self.ranges.last_mut() {
+            Some(top) if top.1 == self.end => top.1 = bytes,
+            _ => self.ranges.push((self.end, bytes)),
+        }
+        self.end = bytes;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The free runs of `bytes` (`true`: free), in order, as `(start, end)`.
+    fn runs(bytes: &[bool]) -> Vec<(usize, usize)> {
+        let mut runs = Vec::new();
+        let mut k = 0;
+        while k < bytes.len() {
+            let start = k;
+            while k < bytes.len() && bytes[k] {
+                k += 1;
+            }
+            if k > start {
+                runs.push((start, k));
+            }
+            k += 1;
+        }
+        runs
+    }
+
+    #[test]
+    fn free_ranges_serve_best_fit_as_a_byte_by_byte_model_does() {
+        // A model of the block byte by byte: best fit is the first of the shortest free runs
+        // that hold the array, taken at its bottom or its top; a range given back is free
+        // again, whatever it meets.
+        let mut rng = fastrand::Rng::with_seed(11);
+        for _ in 0..200 {
+            let end = rng.usize(1..300);
+            let mut model = vec![true; end];
+            let mut free = Free {
+                ranges: vec![(0, end)],
+                end,
+            };
+            let mut out: Vec<(usize, usize)> = Vec::new();
+            for _ in 0..60 {
+                if !out.is_empty() && rng.bool() {
+                    let (start, stop) = out.swap_remove(rng.usize(..out.len()));
+                    model[start..stop].iter_mut().for_each(|b| *b = true);
+                    free.give_back(start, stop);
+                } else if rng.u8(..8) == 0 {
+                    let grown = model.len() + rng.usize(1..40);
+                    model.resize(grown, true);
+                    free.grow(grown);
+                } else {
+                    let size = rng.usize(1..80);
+                    let high = rng.bool();
+                    let fit = runs(&model)
+                        .into_iter()
+                        .filter(|r| r.1 - r.0 >= size)
+                        .min_by_key(|r| r.1 - r.0);
+                    let want = fit.map(|r| if high { r.1 - size } else { r.0 });
+                    let got = free.take(size, high);
+                    assert_eq!(got, want, "{size} bytes, high {high}");
+                    if let Some(at) = got {
+                        model[at..at + size].iter_mut().for_each(|b| *b = false);
+                        out.push((at, at + size));
+                    }
+                }
+                assert_eq!(free.ranges, runs(&model), "apart and in order");
+                assert_eq!(free.end, model.len());
+            }
+        }
+    }
 
     #[test]
     fn the_gaps_are_the_bytes_no_range_uses() {

@@ -222,7 +222,7 @@ impl Gaps {
 /// The `range-alloc` crate served here before and chose the same ranges, but generic over the
 /// offsets' type, with a sum of every range's bytes at each allocation (for its error) and a
 /// linear search for a range given back: the online tier's shadow of BART's beam search took
-/// 878 instructions an array with it, 576 now (callgrind; see BENCHMARKS.md).
+/// 878 instructions an array with it, 637 now (callgrind; see BENCHMARKS.md).
 #[derive(Debug)]
 struct Free {
     ranges: Vec<(usize, usize)>,

@@ -52,9 +52,6 @@ const MAX_SHADOW_KEPT: usize = 4 * MAX_ONLINE_PINS;
 /// step's allocations (a million a step, at most, for sixteen steps).
 const MAX_SHADOW_SPAN: u32 = if cfg!(test) { 4096 } else { 1 << 20 };
 
-/// No drop at that tick (see [`Shadow::step`]).
-const NO_DROP: u32 = u32::MAX;
-
 /// A block grows by at least this fraction of its bytes, so that arrays that grow a little
 /// every step (a decoder's cache of keys and values, a token longer) grow it rarely: each
 /// growth maps memory (tens of microseconds on CUDA).
@@ -107,11 +104,6 @@ pub(in crate::cache) struct Shadow {
     peak: usize,
     /// Scratch: the drops of a step, as (tick, name, bytes).
     drops: Vec<(u32, u32, usize)>,
-    /// Scratch: the drops of a step by tick, as lists through `prev_at`: the last drop at each
-    /// tick (an index of `drops`, [`NO_DROP`] for none).
-    last_at: Vec<u32>,
-    /// Scratch: for each drop, the one before it at its tick (or [`NO_DROP`]).
-    prev_at: Vec<u32>,
 }
 
 impl Shadow {
@@ -192,33 +184,23 @@ impl Shadow {
                 drops.push((r.end.clamp(k + 1, n), base + k, r.bytes));
             }
         }
-        // Listed by tick (a counting sort), those after the step's last allocation at tick
-        // `n`: each tick's drops are given back before its allocation, in any order (they
+        // By tick: each tick's drops are given back before its allocation, in any order (they
         // leave the same free ranges whatever the order).
-        let (mut last_at, mut prev_at) =
-            (mem::take(&mut self.last_at), mem::take(&mut self.prev_at));
-        last_at.clear();
-        last_at.resize(n as usize + 1, NO_DROP);
-        prev_at.clear();
-        for (i, d) in drops.iter().enumerate() {
-            let tick = d.0.min(n) as usize;
-            prev_at.push(last_at[tick]);
-            last_at[tick] = i as u32;
-        }
-        for k in 0..=n {
-            let mut i = last_at[k as usize];
-            // `NO_DROP` is past every index: a list ends there.
-            while let Some(&(_, name, bytes)) = drops.get(i as usize) {
+        drops.sort_unstable_by_key(|&(tick, ..)| tick);
+        let mut j = 0;
+        for (k, r) in (0..n).zip(record) {
+            while let Some(&(_, name, bytes)) = drops.get(j).filter(|d| d.0 <= k) {
                 self.give_back(name, bytes);
-                i = prev_at[i as usize];
+                j += 1;
             }
-            if let Some(r) = record.get(k as usize)
-                && !self.take(base + k, r.bytes)
-            {
+            if !self.take(base + k, r.bytes) {
                 return false;
             }
         }
-        (self.drops, self.last_at, self.prev_at) = (drops, last_at, prev_at);
+        for &(_, name, bytes) in &drops[j..] {
+            self.give_back(name, bytes);
+        }
+        self.drops = drops;
         for (k, r) in (0..n).zip(record) {
             if r.end == OPEN && r.bytes > 0 {
                 self.kept.push((step, r.bytes, base + k));

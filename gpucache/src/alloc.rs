@@ -160,7 +160,7 @@ fn device_alloc(
         return Err(capture::fail(|| Error::CaptureMiss {
             cache: cache.map_or_else(String::new, |c| c.name().to_owned()),
             dtype: req.dtype,
-            dims: req.dims.to_vec(),
+            dims: req.dims().to_vec(),
             device: req.device,
         }));
     }

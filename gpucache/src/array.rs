@@ -103,7 +103,7 @@ impl<T: Element> Array<T> {
     fn request(shape: &Shape, device: Device, bytes: usize) -> Request<'_> {
         Request {
             dtype: T::DTYPE,
-            dims: shape.dims(),
+            shape,
             device,
             bytes,
         }

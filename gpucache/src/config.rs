@@ -119,7 +119,7 @@ pub(crate) fn size_class(bytes: usize) -> usize {
 }
 
 /// Whether caching is turned off for the process by `GPUCACHE_DISABLE`, read once (at the first
-/// allocation, or the first [`summary`](crate::summary)). `1`, `true`, `yes` and `on` (any case)
+/// cache made, allocation, or [`summary`](crate::summary)). `1`, `true`, `yes` and `on` (any case)
 /// turn it off; unset, empty, `0`, `false`, `no` and `off` leave it on; any other value leaves it
 /// on with a one-line warning on standard error.
 #[inline]

@@ -180,13 +180,11 @@ pub(crate) fn caching_disabled() -> bool {
     disabled()
 }
 
-/// [`with_current`], for the hit paths, which test the cache's flags themselves (a closed one
-/// included).
+/// [`with_current`], for the hit paths, which test the cache's flags themselves: a closed one
+/// included, and one made while `GPUCACHE_DISABLE` turns caching off, which its flags say (so
+/// the switch is not read here).
 #[inline]
 pub(crate) fn with_current_for_hit<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
-    if disabled() {
-        return f(None);
-    }
     let ptr = CURRENT.get();
     // SAFETY: as in `with_innermost`.
     f(unsafe { ptr.as_ref() })

@@ -79,4 +79,23 @@ fn child_process() {
         assert!(!note);
         gpucache::invalidate("disabled");
     }
+    // A planned cache (the default) likewise: its plan's hit path serves nothing.
+    let before = (backend.allocs(), backend.frees());
+    for _ in 0..3 {
+        let _scope = enter("disabled-planned");
+        let a = Array::<f32>::zeros(Device::Cpu, [64, 64]).unwrap();
+        drop(a);
+    }
+    let s = stats("disabled-planned");
+    if disabled {
+        assert_eq!(
+            (backend.allocs(), backend.frees()),
+            (before.0 + 3, before.1 + 3)
+        );
+        assert_eq!((s.hits, s.misses), (0, 0));
+    } else {
+        // The first step allocates the array, the second the plan's block; the third is a hit.
+        assert_eq!((s.misses, s.hits), (2, 1));
+        gpucache::invalidate("disabled-planned");
+    }
 }

@@ -1205,6 +1205,63 @@ fn gap_slot(rec: u32) -> u32 {
 }
 
 impl DeviceArena {
+    /// [`CacheState::plan_hit`] past its checks of the device and the plan, for an array of
+    /// `bytes` bytes, on a step that serves its positions in order (`IN_ORDER`, as the layout
+    /// says) or not. In order, the allocation's entry in the record stays in its position until
+    /// read ([`DeviceArena::settle_record`]); else the record is written as the step goes.
+    #[inline(always)]
+    fn plan_hit<const IN_ORDER: bool>(
+        &mut self,
+        st: &Counters,
+        bytes: usize,
+    ) -> Option<(Block, u32, u32)> {
+        let plan = self.plan.as_mut()?;
+        debug_assert_eq!(plan.layout.in_order, IN_ORDER);
+        let arena = plan.block?;
+        let size = aligned(bytes)?;
+        let rec = self.tick;
+        if !IN_ORDER {
+            settle_record(&mut self.record, rec, &plan.layout);
+        }
+        let (views, in_use) = (&mut plan.views, &mut plan.in_use);
+        let loose = &mut plan.loose;
+        let gauge = self.gauge;
+        let (view, pos) = plan.layout.hit(
+            size,
+            rec,
+            #[inline(always)]
+            |offset, pos| {
+                kept_view(
+                    views,
+                    loose,
+                    in_use,
+                    (st, gauge),
+                    arena,
+                    (pos, offset),
+                    (bytes, size),
+                )
+            },
+        )?;
+        self.tick = rec + 1;
+        if !IN_ORDER {
+            self.record.push(Rec {
+                bytes: size,
+                end: OPEN,
+                planned: pos,
+            });
+        }
+        add(&st.hits, 1);
+        // A position of a plan is below `MAX_POSITIONS` (see `view_slot`).
+        debug_assert!(pos < MAX_POSITIONS);
+        Some((view, VIEW_BASE + pos, self.step))
+    }
+
+    /// [`DeviceArena::plan_hit`] on a step that left the order of its positions.
+    #[inline(never)]
+    fn plan_hit_out_of_order(&mut self, st: &Counters, bytes: usize) -> Option<(Block, u32, u32)> {
+        self.plan_hit::<false>(st, bytes)
+    }
+
     fn new(device: Device, gauge: GaugeIx, trace: Arc<CellName>) -> DeviceArena {
         DeviceArena {
             device,
@@ -3257,53 +3314,21 @@ impl CacheState {
         if a.device != req.device || a.diverged {
             return None;
         }
-        let plan = a.plan.as_mut()?;
+        let plan = a.plan.as_ref()?;
         // Not ready at a step's first allocation (made ready there, on the slow path, which
         // also picks the plan among the shelved ones).
         debug_assert!(a.tick != 0 || !plan.ready);
         if !plan.ready {
             return None;
         }
-        let arena = plan.block?;
-        let size = aligned(req.bytes)?;
-        let rec = a.tick;
-        // In order, the allocation's entry in the record stays in its position until read
-        // ([`DeviceArena::settle_record`]); else the record is written as the step goes.
-        let in_order = plan.layout.in_order;
-        if !in_order {
-            settle_record(&mut a.record, rec, &plan.layout);
+        // Two copies: the one for steps served in order (which neither settles nor writes the
+        // record) inlined here, the other out of line, so that its calls, and the request in
+        // memory that a call would need, stay off the common path.
+        if plan.layout.in_order {
+            a.plan_hit::<true>(st, req.bytes)
+        } else {
+            a.plan_hit_out_of_order(st, req.bytes)
         }
-        let (views, in_use) = (&mut plan.views, &mut plan.in_use);
-        let loose = &mut plan.loose;
-        let gauge = a.gauge;
-        let (view, pos) = plan.layout.hit(
-            size,
-            rec,
-            #[inline(always)]
-            |offset, pos| {
-                kept_view(
-                    views,
-                    loose,
-                    in_use,
-                    (st, gauge),
-                    arena,
-                    (pos, offset),
-                    (req.bytes, size),
-                )
-            },
-        )?;
-        a.tick = rec + 1;
-        if !in_order {
-            a.record.push(Rec {
-                bytes: size,
-                end: OPEN,
-                planned: pos,
-            });
-        }
-        add(&st.hits, 1);
-        // A position of a plan is below `MAX_POSITIONS` (see `view_slot`).
-        debug_assert!(pos < MAX_POSITIONS);
-        Some((view, VIEW_BASE + pos, a.step))
     }
 
     /// A view of all of `block`, a solo block for the array at `pos`.

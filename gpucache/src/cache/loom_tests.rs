@@ -31,16 +31,17 @@ use super::{CacheCell, Got, Home, Request, Take, return_block};
 use crate::backend::{Backend, Block};
 use crate::sync::model;
 use crate::testing::CountingBackend;
-use crate::{CacheConfig, DType, Device, KeyPolicy};
+use crate::{CacheConfig, DType, Device, KeyPolicy, Shape};
 
 /// Bytes of each array.
 pub(crate) const BYTES: usize = 64;
 
 /// The request of every array of the models.
 fn request() -> Request<'static> {
+    static SHAPE: std::sync::LazyLock<Shape> = std::sync::LazyLock::new(|| Shape::from(BYTES));
     Request {
         dtype: DType::U8,
-        dims: &[BYTES],
+        shape: &SHAPE,
         device: Device::Cpu,
         bytes: BYTES,
     }

@@ -74,7 +74,7 @@ use crate::metrics::CacheStats;
 use crate::sync::{AtomicU8, UnsafeCell};
 use crate::thread;
 use crate::trace::record::{self, EventKind};
-use crate::{DType, Device};
+use crate::{DType, Device, Shape};
 use counters::{Counters, DeviceBytes, add};
 
 use arena::block::is_arena_slot;
@@ -91,6 +91,9 @@ const TRACED: u8 = 2;
 /// [`CacheCell::flags`]: an arena cache, or arrays of its arena may still be alive (see the
 /// `arena` module): allocations, drops and exits take the slow paths, which serve arenas.
 const ARENA: u8 = 4;
+/// [`CacheCell::flags`]: `GPUCACHE_DISABLE` turned caching off for the process (read once, when
+/// the cell is made): no hit path serves the cell, so the hit paths need not read the switch.
+const DISABLED: u8 = 8;
 
 /// Which hit path may serve a cache ([`CacheCell::hit_path`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -99,17 +102,27 @@ pub(crate) enum HitPath {
     FreeList,
     /// A planned cache, not recorded or closed: its plan ([`CacheCell::plan_hit`]).
     Plan,
-    /// Recorded or closed: no hit path, the slow path serves it.
+    /// Recorded, closed, or caching is off: no hit path, the slow path serves it.
     None,
 }
 
 /// What an allocation asks for.
 pub(crate) struct Request<'a> {
     pub(crate) dtype: DType,
-    pub(crate) dims: &'a [usize],
+    /// The array's shape: its dimensions are read only where needed ([`Request::dims`]; a plan's
+    /// hit never does).
+    pub(crate) shape: &'a Shape,
     pub(crate) device: Device,
     /// The array's size in bytes, `> 0`.
     pub(crate) bytes: usize,
+}
+
+impl<'a> Request<'a> {
+    /// The array's dimensions, outermost first.
+    #[inline]
+    pub(crate) fn dims(&self) -> &'a [usize] {
+        self.shape.dims()
+    }
 }
 
 /// Where an array's buffer goes back to: its cache, the free list it came from, and the
@@ -243,7 +256,12 @@ impl CacheCell {
             depth: AtomicU32::new(0),
             flags: AtomicU8::new(
                 if record::on() { TRACED } else { 0 }
-                    | if config.key.is_planned() { ARENA } else { 0 },
+                    | if config.key.is_planned() { ARENA } else { 0 }
+                    | if crate::config::caching_disabled() {
+                        DISABLED
+                    } else {
+                        0
+                    },
             ),
             state: UnsafeCell::new(CacheState::new(config, config_seq, Arc::clone(&trace))),
             stats: Counters::default(),
@@ -319,7 +337,7 @@ impl CacheCell {
         self.flags.load(Relaxed) & CLOSED != 0
     }
 
-    /// Neither closed, recorded nor an arena: the hot paths may serve it.
+    /// Neither closed, recorded, an arena nor made with caching off: the hot paths may serve it.
     #[inline]
     pub(crate) fn is_plain(&self) -> bool {
         self.flags.load(Relaxed) == 0
@@ -587,7 +605,7 @@ impl CacheCell {
             events::queue(|| events::Event::Miss {
                 cache: Arc::clone(self.trace.name()),
                 dtype: req.dtype,
-                dims: req.dims.into(),
+                dims: req.dims().into(),
                 device: req.device,
                 bytes: block.bytes(),
             });

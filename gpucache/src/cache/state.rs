@@ -114,7 +114,7 @@ impl CacheState {
             KeyRef::Exact {
                 dtype: req.dtype,
                 device: req.device,
-                dims: req.dims,
+                dims: req.dims(),
             }
         }
     }

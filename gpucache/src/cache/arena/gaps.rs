@@ -109,7 +109,7 @@ impl Gaps {
     }
 
     /// The free ranges, in the order of their offsets.
-    fn free_ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+    fn free_ranges(&self) -> impl DoubleEndedIterator<Item = Range<usize>> + '_ {
         self.free.ranges.iter().map(|&(start, end)| start..end)
     }
 
@@ -200,17 +200,16 @@ impl Gaps {
     /// The bytes free at the block's top (the gap that ends where the block does, if any): an
     /// array of `size` bytes that no gap holds needs the block grown by `size` less these.
     pub(super) fn top_free(&self) -> usize {
-        self.free
-            .ranges
-            .last()
-            .filter(|r| r.1 == self.free.end)
-            .map_or(0, |r| r.1 - r.0)
+        self.free_ranges()
+            .next_back()
+            .filter(|r| r.end == self.bytes())
+            .map_or(0, |r| r.len())
     }
 
     /// The free bytes (tests).
     #[cfg(test)]
     fn available(&self) -> usize {
-        self.free.ranges.iter().map(|r| r.1 - r.0).sum()
+        self.free_ranges().map(|r| r.len()).sum()
     }
 }
 

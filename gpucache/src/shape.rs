@@ -150,6 +150,7 @@ impl From<Vec<usize>> for Shape {
 }
 
 impl From<usize> for Shape {
+    #[inline]
     fn from(len: usize) -> Shape {
         Shape::from([len])
     }

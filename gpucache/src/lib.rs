@@ -419,9 +419,9 @@
 //! ## Turning caching off
 //!
 //! `GPUCACHE_DISABLE=1` in the environment (or `true`, `yes`, `on`, in any case; read once, at
-//! the first scope entered or allocation) turns caching off for the process: scopes are still entered, but every
-//! array allocates from the device and frees to it directly, so tools such as
-//! `compute-sanitizer` see every buffer's own allocation. [`stats`] then counts no hits or
+//! the first scope entered or allocation) turns caching off for the process: scopes are still
+//! entered, but every array allocates from the device and frees to it directly, so tools such
+//! as `compute-sanitizer` see every buffer's own allocation. [`stats`] then counts no hits or
 //! misses, and [`summary`] starts with the line `caching disabled (GPUCACHE_DISABLE)`. `0`,
 //! `false`, `no`, `off` and the empty string leave caching on; any other value leaves it on with
 //! a one-line warning on standard error.

@@ -174,12 +174,6 @@ pub(crate) fn with_current<R>(f: impl FnOnce(Option<&CacheCell>) -> R) -> R {
     with_innermost(f)
 }
 
-/// Whether `GPUCACHE_DISABLE` turned caching off.
-#[cfg(feature = "cuda")]
-pub(crate) fn caching_disabled() -> bool {
-    disabled()
-}
-
 /// [`with_current`], for the hit paths, which test the cache's flags themselves: a closed one
 /// included, and one made while `GPUCACHE_DISABLE` turns caching off, which its flags say (so
 /// the switch is not read here).

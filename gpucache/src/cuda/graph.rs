@@ -27,7 +27,7 @@ use super::held::{self, HeldBuffers};
 use crate::backend::capture::{self, Mode};
 use crate::backend::cuda as backend;
 use crate::cache::CacheCell;
-use crate::{CacheConfig, Device, Error, Result, scope};
+use crate::{CacheConfig, Device, Error, Result};
 
 /// Whether `e` is one of the driver's stream-capture errors.
 fn is_capture_error(e: &DriverError) -> bool {
@@ -244,7 +244,7 @@ impl StepGraph {
             .into());
         }
         let scope = crate::enter(&self.cache);
-        let Some(cell) = scope.cell().filter(|_| !scope::caching_disabled()) else {
+        let Some(cell) = scope.cell().filter(|_| !crate::config::caching_disabled()) else {
             // No cache to capture from (GPUCACHE_DISABLE=1, or thread teardown).
             step()?;
             return Ok(Ran::Eagerly);

@@ -187,8 +187,9 @@
 //!   plan is placed again without the arrays served before, which are not in that block, when
 //!   they would keep much of it unused: an input alive through the step). When arrays planned
 //!   to live past the first eighth of the rest of the step keep the old block in use (a
-//!   training step's attention mask, a detector's feature maps), the plan scaled is placed
-//!   again for the rest of the step around them, each until its planned end
+//!   training step's attention mask, a detector's feature maps), or any arrays do and waiting
+//!   for them would send half the plan's bytes apart (an encoder's hidden states), the plan
+//!   scaled is placed again for the rest of the step around them, each until its planned end
 //!   ([`planner::greedy_by_size_among`]), and serves it from the old block, grown in place where
 //!   it can (CUDA's), when that needs no more bytes than the plan scaled whole. When waiting
 //!   for the old block would cost too much (those arrays keep it in use and the rest does not

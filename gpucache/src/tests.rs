@@ -552,6 +552,50 @@ fn a_block_outgrown_under_an_array_kept_past_its_step_grows_in_place() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A larger step (an encoder's, its batch and length grown) whose first array, at its position
+/// in the plan's block, lives on for a few allocations (not long: the block would soon be
+/// unused), but whose arrays meanwhile, grown, are more than half the plan: the rest of the step
+/// is placed again around that array, in the block grown in place, with no other device
+/// allocation. Before, the step waited for the block, its arrays apart meanwhile (a device
+/// allocation each), until half the plan had gone apart, then was served from the gaps of a
+/// block too small for it, and apart.
+#[test]
+fn a_step_that_would_wait_past_half_its_plan_is_placed_around_a_brief_array() {
+    let name = "unit-grown-around-brief";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    let step = |len: usize| {
+        let _scope = crate::enter(name);
+        // A mask of the same size at every scale, dropped after two arrays of forty.
+        let mask = filled(256, 3);
+        chain((0..2).map(|_| len));
+        assert!(holds(&mask, 3));
+        drop(mask);
+        chain((0..38).map(|_| len));
+    };
+    for _ in 0..3 {
+        step(16 * 1024);
+    }
+    let allocs = backend.allocs();
+    step(24 * 1024);
+    assert_eq!(backend.grows(), 1, "the block grew in place");
+    // The testing backend counts a growth as a device allocation.
+    assert_eq!(
+        backend.allocs(),
+        allocs + 1,
+        "its growth, and no array apart"
+    );
+    let allocs = backend.allocs();
+    step(24 * 1024);
+    assert_eq!(
+        backend.allocs(),
+        allocs,
+        "and the next step follows its plan"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A step that leaves its plan keeps arrays it made in the plan's block past its end, for many
 /// steps, and they hold most of the block (a Whisper-style decoder's keys and values of the
 /// encoder's output, made for a request in the step after the encoder's, which left the

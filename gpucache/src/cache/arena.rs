@@ -27,21 +27,22 @@
 //! as it arranged them; from the bottom only in a step that outgrew its plan and is served from its
 //! block), and so is a step that outgrew its plan when waiting for the block would cost too much:
 //! arrays planned to live past the first eighth of the rest of the step hold it (a training step's
-//! forward pass, an attention mask; but first the plan scaled as the step grew is placed again for
-//! the rest of the step, around the arrays alive in the block, each until its planned end, and
-//! serves it from the block, grown in place if need be, when that needs no more bytes than the plan
-//! scaled whole: [`Layout::scale_around`], [`DeviceArena::rest_around`]), or half the plan's
-//! footprint went apart while waiting, or by the time the block is unused the step can no longer
-//! follow the plan scaled (it left the plan's order, or passed its middle; the block goes back
-//! after all if it holds nothing when an array apart would take the cache past its peak). An
-//! allocation the gaps cannot hold gets a solo block; the gaps close for it only when no array uses
-//! the block and the plan can be scaled (then the block goes back, and the scaled plan serves the
-//! rest). A plan made again is merged with the old one position by position (each position's
-//! largest size) when the step matched it so, but not when the merged plan would hold an eighth
-//! more than both the old plan and the step's peak (as many allocations in another arrangement). So
-//! a fixed-shape loop settles on one plan after its second step, and a loop whose sizes vary
-//! settles on one that fits its largest step, with one block allocated per step larger than every
-//! one before it rather than one per array.
+//! forward pass, an attention mask; but first, then and whenever waiting for the arrays that hold
+//! it would send half the footprint apart, [`Layout::waits_past_half`], the plan scaled as the step
+//! grew is placed again for the rest of the step, around the arrays alive in the block, each until
+//! its planned end, and serves it from the block, grown in place if need be, when that needs no
+//! more bytes than the plan scaled whole: [`Layout::scale_around`], [`DeviceArena::rest_around`]),
+//! or half the plan's footprint went apart while waiting, or by the time the block is unused the
+//! step can no longer follow the plan scaled (it left the plan's order, or passed its middle; the
+//! block goes back after all if it holds nothing when an array apart would take the cache past its
+//! peak). An allocation the gaps cannot hold gets a solo block; the gaps close for it only when no
+//! array uses the block and the plan can be scaled (then the block goes back, and the scaled plan
+//! serves the rest). A plan made again is merged with the old one position by position (each
+//! position's largest size) when the step matched it so, but not when the merged plan would hold an
+//! eighth more than both the old plan and the step's peak (as many allocations in another
+//! arrangement). So a fixed-shape loop settles on one plan after its second step, and a loop whose
+//! sizes vary settles on one that fits its largest step, with one block allocated per step larger
+//! than every one before it rather than one per array.
 //!
 //! # Positions that grow, and kinds of step
 //!
@@ -2100,17 +2101,22 @@ impl DeviceArena {
         true
     }
 
-    /// The step outgrew its plan at position `pos`, and arrays planned to live on hold the
-    /// plan's block: the plan is scaled as the step grew, and the rest of the step, from `pos`
-    /// on, placed again around the arrays alive in the block ([`Layout::scale_around`]), which
-    /// grows in place if the rest needs more bytes (where it can: see
-    /// [`DeviceArena::grow_block`]). Returns whether it was: the step then follows that layout,
-    /// with no array apart and no device allocation but the growth. Not when the gaps or the
-    /// tail handed out ranges this step, nor when the block was used on another stream.
+    /// The step outgrew its plan at position `pos`, and arrays planned to live on hold the plan's
+    /// block (or arrays hold it, however briefly, and waiting for them would send half the
+    /// footprint apart: [`Layout::waits_past_half`]): the plan is scaled as the step grew, and the
+    /// rest of the step, from `pos` on, placed again around the arrays alive in the block
+    /// ([`Layout::scale_around`]), which grows in place if the rest needs more bytes (where it can:
+    /// see [`DeviceArena::grow_block`]). Returns whether it was: the step then follows that layout,
+    /// with no array apart and no device allocation but the growth. Not when the gaps or the tail
+    /// handed out ranges this step, nor when the block was used on another stream.
     ///
     /// Served from the block's gaps instead, such a step (a detector's larger image, a training
     /// step's longer batch) found no gap for many of its arrays, in a block sized for a smaller
-    /// step: each went apart, a device allocation and bytes beside the block.
+    /// step: each went apart, a device allocation and bytes beside the block. So did an
+    /// encoder's step whose batch and length grew while its block held one array of 2 KiB,
+    /// dropped 12 allocations later: waiting for it sent the step's first hidden states apart,
+    /// then the gaps of a block a third of the step's size served the rest (29 device
+    /// allocations in the step; 4 placed around it).
     fn rest_around(&mut self, st: &Counters, pos: u32) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
@@ -2960,13 +2966,18 @@ impl CacheState {
                         // plan: its block goes back once unused, and the rest of the step is
                         // served apart until then, then from the plan scaled as the step grew,
                         // in a new block. When arrays planned to live past the first eighth of
-                        // the rest hold the block, the plan scaled for the rest of the step is
+                        // the rest hold the block (or any do, and waiting for them would send
+                        // half the footprint apart), the plan scaled for the rest of the step is
                         // placed around them in the block, grown if need be. Else, or when the
                         // step outgrows a scaled plan, the block's free bytes serve it.
                         let grew = size > plan.layout.range(pos).len()
                             && plan.layout.outgrown(&a.record, plan.block_bytes());
                         let held = grew && plan.layout.held_long(rec);
-                        let tries = held
+                        // Or waiting for the arrays in the block to end, however soon, would send
+                        // more than half the footprint apart: the step would then not wait, and
+                        // the block's gaps, a smaller step's, would serve the rest, and apart.
+                        let brief = grew && plan.layout.waits_past_half(rec, &a.record);
+                        let tries = (held || brief)
                             && !a.scaled
                             && !again
                             && pos != NONE

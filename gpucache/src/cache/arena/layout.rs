@@ -1633,6 +1633,28 @@ impl Layout {
             .any(|s| s.live && !s.apart && s.end > soon)
     }
 
+    /// Whether the step, waiting for the arrays alive in the block to end as planned, would send
+    /// more than half the footprint apart meanwhile (its positions from `t` to the last of their
+    /// ends, scaled as the step grew so far): then it would not wait for the block, whose gaps
+    /// would serve the rest ([`DeviceArena::wait_for_block`]).
+    pub(super) fn waits_past_half(&self, t: u32, record: &[Rec]) -> bool {
+        let Some(((asked, planned), _)) = self.growth(record) else {
+            return false;
+        };
+        let live = self
+            .spots
+            .iter()
+            .filter(|s| s.live && !s.apart && s.epoch == self.epoch);
+        let until = live.map(|s| s.end as usize).max().unwrap_or(0);
+        let meanwhile = self.spots.get(t as usize..until).unwrap_or(&[]);
+        let bytes: u128 = meanwhile
+            .iter()
+            .filter(|s| !s.apart)
+            .map(|s| s.size as u128)
+            .sum();
+        bytes * asked > (self.footprint / 2) as u128 * planned.max(1)
+    }
+
     /// Whether the plan keeps at most one position apart larger than [`SMALL`]: an array that
     /// outlives its step alone (a step's input batch, made before the one of the step before
     /// is dropped), with no other array apart to compete for its spare blocks.

@@ -774,8 +774,8 @@ impl ByOffset {
 /// Offsets for `lives` in a block where the arrays `placed` (each with its lifetime, at its
 /// offset) already are: each of `lives` largest first, among the arrays of both whose lifetimes
 /// meet its own, by best fit and by first fit, the smaller plan kept (best fit's on a tie; no
-/// other order tried). The footprint counts both. For the rest of a
-/// step placed again around the arrays the step made so far, which live on to their own ends.
+/// other order tried). The footprint counts both. For the rest of a step placed again around the
+/// arrays the step made so far, which live on to their own ends.
 /// The smallest of `lives` are stacked on top of the rest and of `placed`, as [`greedy_by_size`]
 /// stacks them (see the module docs): Mask R-CNN's steps of 3,900 arrays, 3,000 of them small,
 /// took 6 ms on the CPU placed one by one, at one allocation.

@@ -1384,19 +1384,25 @@ mod tests {
         assert!(moved > 100, "the ranges taken moved arrays ({moved})");
     }
 
+    /// Fewer than `most` random arrays already placed, by a plan of their own (so that they are
+    /// apart): the plan, and each array with its offset.
+    fn random_placed(rng: &mut fastrand::Rng, most: usize) -> (Plan, Vec<(Lifetime, usize)>) {
+        let n = rng.usize(0..most);
+        let early = random_lives(rng, n, false);
+        let plan = greedy_by_size(&early);
+        let placed = early
+            .into_iter()
+            .zip(plan.offsets.iter().copied())
+            .collect();
+        (plan, placed)
+    }
+
     #[test]
     fn arrays_placed_among_others_take_the_smaller_of_best_fit_and_first_fit() {
         let mut rng = fastrand::Rng::with_seed(13);
         let mut first_smaller = 0;
         for case in 0..1000 {
-            let n = rng.usize(0..24);
-            let early = random_lives(&mut rng, n, false);
-            let early_plan = greedy_by_size(&early);
-            let placed: Vec<(Lifetime, usize)> = early
-                .iter()
-                .copied()
-                .zip(early_plan.offsets.iter().copied())
-                .collect();
+            let (_, placed) = random_placed(&mut rng, 24);
             let n = rng.usize(1..64);
             let lives = random_lives(&mut rng, n, false);
             let all = with_placed(&lives, &placed);
@@ -1425,15 +1431,8 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(12);
         let mut reused = 0;
         for case in 0..1000 {
-            // The arrays already placed: a plan of their own, so that they are apart.
-            let n = rng.usize(0..40);
-            let early = random_lives(&mut rng, n, false);
-            let early_plan = greedy_by_size(&early);
-            let placed: Vec<(Lifetime, usize)> = early
-                .iter()
-                .copied()
-                .zip(early_plan.offsets.iter().copied())
-                .collect();
+            let (early_plan, placed) = random_placed(&mut rng, 40);
+            let early: Vec<Lifetime> = placed.iter().map(|&(l, _)| l).collect();
             let n = rng.usize(0..80);
             let lives = random_lives(&mut rng, n, false);
             let plan = greedy_by_size_among(&lives, &placed);

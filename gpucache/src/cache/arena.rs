@@ -2246,7 +2246,7 @@ impl DeviceArena {
             return;
         }
         self.waited += size;
-        if self.waited > plan.layout.footprint / 2 {
+        if self.waited > plan.layout.wait_limit() {
             self.gaps_instead();
         }
     }

@@ -1633,6 +1633,13 @@ impl Layout {
             .any(|s| s.live && !s.apart && s.end > soon)
     }
 
+    /// The most bytes a step that outgrew the plan sends apart while it waits for the plan's
+    /// block to be unused: half the footprint ([`DeviceArena::wait_for_block`]; past it, the
+    /// block's gaps serve the rest, see [`Layout::waits_past_half`]).
+    pub(super) fn wait_limit(&self) -> usize {
+        self.footprint / 2
+    }
+
     /// Whether the step, waiting for the arrays alive in the block to end as planned, would send
     /// more than half the footprint apart meanwhile (its positions from `t` to the last of their
     /// ends, scaled as the step grew so far): then it would not wait for the block, whose gaps
@@ -1652,7 +1659,7 @@ impl Layout {
             .filter(|s| !s.apart)
             .map(|s| s.size as u128)
             .sum();
-        bytes * asked > (self.footprint / 2) as u128 * planned.max(1)
+        bytes * asked > self.wait_limit() as u128 * planned.max(1)
     }
 
     /// Whether the plan keeps at most one position apart larger than [`SMALL`]: an array that

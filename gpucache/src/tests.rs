@@ -596,6 +596,62 @@ fn a_step_that_would_wait_past_half_its_plan_is_placed_around_a_brief_array() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A training step whose batch, padded to its largest image, grew threefold while its images
+/// did not, in a block larger than its plan (kept from a larger kind of step): the step's arrays
+/// so far grew less in all than the block holds over the plan, but its largest array, which the
+/// rest of the step grows as, grew more. It outgrew its plan: the rest is placed again around its
+/// arrays alive in the block, grown in place once. Judged by the total alone, the step was served
+/// from the block's gaps, and what they could not hold went apart, a device allocation each
+/// (a detector trained on images of varying size: 96 device allocations in one step).
+#[test]
+fn a_step_whose_largest_array_grew_past_the_block_outgrows_its_plan() {
+    let name = "unit-outgrown-by-largest";
+    let (backend, _installed, _serial) = planned(name);
+    backend.set_growable(true);
+    // Two images, their batch of `batch` elements, three activations kept for the backward
+    // pass (a larger kind of step makes an extra array among them), then the backward's chain;
+    // the images live through the step.
+    let step = |batch: usize, extra: bool| {
+        let _scope = crate::enter(name);
+        let images = (filled(3072, 1), filled(3072, 2));
+        let x = filled(batch, 3);
+        let acts: Vec<_> = (0..3).map(|i| filled(batch, 10 + i)).collect();
+        if extra {
+            drop(filled(batch / 2, 4));
+        }
+        chain((0..4).map(|_| batch));
+        assert!(holds(&x, 3) && acts.iter().zip(10..).all(|(a, i)| holds(a, i)));
+        assert!(holds(&images.0, 1) && holds(&images.1, 2));
+    };
+    for _ in 0..3 {
+        step(8192, true);
+    }
+    // A smaller kind: planned again, in the larger kind's block.
+    for _ in 0..3 {
+        step(4096, false);
+    }
+    let (allocs, grows) = (backend.allocs(), backend.grows());
+    step(12288, false);
+    assert_eq!(backend.grows(), grows + 1, "the block grew in place");
+    // The testing backend counts a growth as a device allocation.
+    assert_eq!(
+        backend.allocs(),
+        allocs + 1,
+        "its growth, and no array apart"
+    );
+    // Planned again from the step (the rest's placement was for that step only), the next
+    // step's block may grow once more, but no array goes apart.
+    let (allocs, grows) = (backend.allocs(), backend.grows());
+    step(12288, false);
+    assert_eq!(
+        backend.allocs() - allocs,
+        backend.grows() - grows,
+        "the next step allocates nothing but its block's growth"
+    );
+    crate::invalidate(name);
+    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
+}
+
 /// A step that leaves its plan keeps arrays it made in the plan's block past its end, for many
 /// steps, and they hold most of the block (a Whisper-style decoder's keys and values of the
 /// encoder's output, made for a request in the step after the encoder's, which left the

@@ -639,8 +639,9 @@ fn a_step_whose_largest_array_grew_past_the_block_outgrows_its_plan() {
         allocs + 1,
         "its growth, and no array apart"
     );
-    // Planned again from the step (the rest's placement was for that step only), the next
-    // step's block may grow once more, but no array goes apart.
+    // The next step follows the plan scaled whole (each position three times its size), which
+    // takes more than the rest's placement around the images did: its block may grow once
+    // more, but no array goes apart.
     let (allocs, grows) = (backend.allocs(), backend.grows());
     step(12288, false);
     assert_eq!(

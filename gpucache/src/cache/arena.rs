@@ -16,8 +16,8 @@
 //! and larger than the block allows, in all or in the ratio it would be scaled in: its largest
 //! array's, when that grew; [`Layout::outgrown`]) gets solo blocks while the plan's block is in
 //! use, and the block goes back to the device once no array uses it; then the plan, scaled by
-//! the ratio in which the step grew (that ratio; [`Layout::scale`]; its rest placed again when
-//! the arrays made before would keep bytes of it unused), a [`Margin`] more
+//! that ratio ([`Layout::scale`]; its rest placed again when the arrays made before would keep
+//! bytes of it unused), a [`Margin`] more
 //! (raised when a step's array missed its scaled place: [`DeviceArena::learn_margin`]), serves the
 //! rest of the step from one new block (the plan as it is, when by then the step no longer asks for
 //! more than the plan holds). The scaled plan stays the plan if it held the step as it was

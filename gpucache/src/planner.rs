@@ -455,12 +455,14 @@ fn plan_around(
     let (mut best, mut won) = made.unwrap_or_else(|| (place_by(start), start));
     // The smallest footprint of the other tries' plans.
     let mut runner_up = usize::MAX;
+    let long = lives.len() > LONG_STEP;
     // The others in order, the first one first (not the one made already).
     let done = won;
     let others = Try::ALL.into_iter().filter(|&t| t != start);
     for t in std::iter::once(start).chain(others).filter(|&t| t != done) {
-        if best.footprint <= within {
-            // At the lower bound, or so near it that another plan could save little: kept.
+        if best.footprint <= within || long {
+            // At the lower bound, or so near it that another plan could save little, or a long
+            // step's, whose every try costs milliseconds: kept.
             break;
         }
         let plan = place_by(t);
@@ -471,7 +473,9 @@ fn plan_around(
             runner_up = runner_up.min(plan.footprint);
         }
     }
-    if best.footprint <= within {
+    if long && best.footprint > within {
+        // One try was made: nothing is learned of the others.
+    } else if best.footprint <= within {
         h = if won == h.winner {
             Hint { first: won, ..h }
         } else {
@@ -550,10 +554,30 @@ fn heaviest_first(lives: &[Lifetime], weight: impl Fn(&Lifetime) -> u128) -> Vec
 /// are found by looking at every other (bounded memory, quadratic time).
 const MAX_LISTED_PAIRS: usize = 1 << 23;
 
-/// Past this many overlapping pairs per lifetime on average, a step is dense (most of its
-/// arrays meet most others: a training step's activations), and [`Overlaps`] lists none: each
-/// array is placed by a scan of those placed before it, in order of offset (see [`place`]).
+/// Past this many overlapping pairs per lifetime on average, and past a [`DENSE_SHARE`]th of
+/// the step's lifetimes, a step is dense (most of its arrays meet most others: a training step's
+/// activations), and [`Overlaps`] lists none: each array is placed by a scan of those placed
+/// before it, in order of offset (see [`place`]).
 const DENSE: usize = 32;
+
+/// A step whose lifetimes meet at most this fraction of the others on average lists its pairs,
+/// however many (up to [`MAX_LISTED_PAIRS`]): a long step's arrays each meet its few that live
+/// through it, and a scan of every array placed costs the square of its length. A generation
+/// loop run as one step (T5 searching with four beams, 10,000 arrays, 50 pairs a lifetime;
+/// assisted generation, 20,000 and 56) was scanned past 32 pairs a lifetime: 16-66 ms a try,
+/// about 95 ms and 70 ms a step on the CPU, slower than CUDA's pool on the GPU; listed, 7-12 ms a
+/// try, 0.31x and 0.22x of the planner's time. At a 16th, GPT-2 trained with micro-batches
+/// accumulated (5,200 arrays, 297 pairs a lifetime) planned 1.7 times slower listed than
+/// scanned; Mask R-CNN's inference (3,900 arrays, 56 pairs) 0.82x.
+const DENSE_SHARE: usize = 32;
+
+/// A step of more arrays than this (to be placed, past those stacked) is planned by one try
+/// alone, the one made first (see [`greedy_by_size_from`]): each try places every array among
+/// those it meets, milliseconds for such a step (T5 searching with four beams, 10,000 arrays:
+/// 7-12 ms a try, four tries a plan at most of its steps, every request a plan). The tries
+/// differed by 2-7% there; by one try, that log's plans held 1.110x of its peak live bytes
+/// (1.126x by every try), and assisted generation's (20,000 arrays) 1.203x (1.328x).
+const LONG_STEP: usize = 4096;
 
 /// Which lifetimes overlap which: listed per lifetime when there are few enough pairs (a step's
 /// arrays mostly live briefly, so each meets a few others), else found by a scan of all.
@@ -576,7 +600,8 @@ impl Overlaps {
 
     /// The most pairs [`Overlaps::of`] lists for `lives`.
     fn most(lives: &[Lifetime]) -> usize {
-        MAX_LISTED_PAIRS.min(lives.len().saturating_mul(DENSE))
+        let n = lives.len();
+        MAX_LISTED_PAIRS.min(n.saturating_mul(DENSE.max(n / DENSE_SHARE)))
     }
 
     /// Whether [`Overlaps::of`] `lives` scans, when that is told before listing a pair (a dense
@@ -1584,6 +1609,53 @@ mod tests {
             "sparse"
         );
         assert_eq!(stacked_alone(&lives), 100);
+    }
+
+    #[test]
+    fn a_long_step_whose_arrays_meet_a_small_share_of_it_lists_its_pairs() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        // A generation loop as one step: 8,000 arrays alive a few ticks each, and 64 caches of
+        // keys and values alive through it: about 70 pairs a lifetime, past 32, but under a
+        // [`DENSE_SHARE`]th of the step.
+        let n = 8000u32;
+        let lives: Vec<Lifetime> = (0..n)
+            .map(|i| Lifetime {
+                bytes: rng.usize(1..64) * ALIGN,
+                start: i,
+                end: if i % (n / 64) == 0 {
+                    n
+                } else {
+                    i + 1 + rng.u32(0..8)
+                },
+            })
+            .collect();
+        let pairs = pairs_about(&lives).unwrap();
+        assert!(pairs > lives.len() * DENSE && pairs < lives.len() * lives.len() / DENSE_SHARE);
+        assert!(matches!(Overlaps::of(&lives), Overlaps::Listed { .. }));
+        // As many arrays, each meeting half the step: dense, scanned.
+        let dense = dense_lives(&mut rng, n as usize, 0);
+        assert!(matches!(Overlaps::of(&dense), Overlaps::Scan));
+    }
+
+    #[test]
+    fn a_long_steps_plan_is_its_first_try_alone() {
+        let mut rng = fastrand::Rng::with_seed(9);
+        let lives = random_lives(&mut rng, LONG_STEP + 1, false);
+        let overlaps = Overlaps::of(&lives);
+        let by_size = size_order(&lives);
+        let by = |t| placed(t, &lives, &by_size, &overlaps, &[]);
+        // Another try would place this step in less.
+        let smallest = Try::ALL.map(|t| by(t).footprint).into_iter().min();
+        assert!(smallest < Some(by(Try::InOrder).footprint));
+        let first = Hint {
+            first: Try::InOrder,
+            ..Hint::default()
+        };
+        let hint = Cell::new(first);
+        // No plan within the bound (0): a shorter step would make every try.
+        let plan = plan_around(&lives, &overlaps, &[], (0, 0), &hint);
+        assert_eq!(plan, by(Try::InOrder));
+        assert_eq!(hint.get(), first, "nothing learned of the tries not made");
     }
 
     /// Checks that [`greedy_by_size`] stacks the arrays of `lives` of one [`ALIGN`] (and only

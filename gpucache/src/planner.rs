@@ -568,8 +568,10 @@ const DENSE: usize = 32;
 /// about 95 ms and 70 ms a step on the CPU, slower than CUDA's pool on the GPU; listed, 7-12 ms a
 /// try, 0.31x and 0.22x of the planner's time. At a 16th, GPT-2 trained with micro-batches
 /// accumulated (5,200 arrays, 297 pairs a lifetime) planned 1.7 times slower listed than
-/// scanned; Mask R-CNN's inference (3,900 arrays, 56 pairs) 0.82x.
-const DENSE_SHARE: usize = 32;
+/// scanned; at a 32nd, Mask R-CNN's inference (3,900 arrays, 56 pairs) planned in 0.82x of the
+/// time on the CPU but replayed in 1.10x [0.98, 1.28] on an H200. At a 128th, only a step of
+/// more than 4,096 arrays lists more than 32 pairs a lifetime.
+const DENSE_SHARE: usize = 128;
 
 /// A step of more arrays than this (to be placed, past those stacked) is planned by one try
 /// alone, the one made first (see [`greedy_by_size_from`]): each try places every array among

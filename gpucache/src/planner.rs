@@ -576,8 +576,8 @@ const DENSE_SHARE: usize = 128;
 /// A step of more arrays than this (to be placed, past those stacked) is planned by one try
 /// alone, the one made first (see [`greedy_by_size_from`]): each try places every array among
 /// those it meets, milliseconds for such a step (T5 searching with four beams, 10,000 arrays:
-/// 7-12 ms a try, four tries a plan at most of its steps, every request a plan). The tries
-/// differed by 2-7% there; by one try, that log's plans held 1.110x of its peak live bytes
+/// 7-12 ms a try, three or four tries a plan, a plan at most requests). The tries differed by
+/// up to 7% there; by one try, that log's plans held 1.110x of its peak live bytes
 /// (1.126x by every try), and assisted generation's (20,000 arrays) 1.203x (1.328x).
 const LONG_STEP: usize = 4096;
 
@@ -1617,8 +1617,8 @@ mod tests {
     fn a_long_step_whose_arrays_meet_a_small_share_of_it_lists_its_pairs() {
         let mut rng = fastrand::Rng::with_seed(5);
         // A generation loop as one step: 8,000 arrays alive a few ticks each, and 64 caches of
-        // keys and values alive through it: about 70 pairs a lifetime, past 32, but under a
-        // [`DENSE_SHARE`]th of the step.
+        // keys and values made through it and alive to its end: 35 pairs a lifetime, past 32,
+        // but under a [`DENSE_SHARE`]th of the step.
         let n = 8000u32;
         let lives: Vec<Lifetime> = (0..n)
             .map(|i| Lifetime {

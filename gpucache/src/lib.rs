@@ -179,12 +179,13 @@
 //!   than planned are served apart on their own, and the step stays on its plan; one that
 //!   grew a little since the last plan (attention over the tokens so far) is planned with room
 //!   to grow. A step that leaves its plan is planned again at its end, with each position's
-//!   largest size. Until then, if it outgrew the plan (the same allocations, larger in all: a
-//!   longer sequence, a larger batch), the plan's block is given back as soon as no array uses
-//!   it, and the rest of the step follows the plan scaled by the ratio in which the step grew
-//!   (its largest array so far: a detector's inputs grow otherwise than its feature maps),
-//!   in one new block (an array larger than its scaled place is served apart; the rest of the
-//!   plan is placed again without the arrays served before, which are not in that block, when
+//!   largest size. Until then, if it outgrew the plan (the same allocations, larger than the
+//!   plan's block holds, in all or in its largest array so far: a longer sequence, a larger
+//!   batch, a batch padded to a larger image), the plan's block is given back as soon as no
+//!   array uses it, and the rest of the step follows the plan scaled by the ratio in which the
+//!   step grew (its largest array so far: a detector's inputs grow otherwise than its feature
+//!   maps), in one new block (an array larger than its scaled place is served apart; the rest of
+//!   the plan is placed again without the arrays served before, which are not in that block, when
 //!   they would keep much of it unused: an input alive through the step). When arrays planned
 //!   to live past the first eighth of the rest of the step keep the old block in use (a
 //!   training step's attention mask, a detector's feature maps), or any arrays do and waiting

@@ -473,9 +473,8 @@ fn plan_around(
             runner_up = runner_up.min(plan.footprint);
         }
     }
-    if long && best.footprint > within {
-        // One try was made: nothing is learned of the others.
-    } else if best.footprint <= within {
+    // A long step's plan above the bound was its one try: nothing is learned of the others.
+    if best.footprint <= within {
         h = if won == h.winner {
             Hint { first: won, ..h }
         } else {
@@ -484,7 +483,7 @@ fn plan_around(
                 ..Hint::default()
             }
         };
-    } else {
+    } else if !long {
         // Every try was made: the runner-up is the smallest of the others.
         let far = runner_up > best.footprint.saturating_add(best.footprint / BY_FAR);
         if won == h.winner {

@@ -216,12 +216,14 @@
 //! allocations, until no array of it is alive.
 //!
 //! A plan remade keeps its block under arrays still alive there when they are few (at most
-//! [`MAX_PINS`]), small (at most a [`PIN_SHARE`]th of the block) and all known: served this step,
-//! at a position or from the gaps (a training loop's loss, kept until the next step's replaces it,
-//! in a step that left its plan). Larger ones, up to half a block that can grow, when the step
-//! left its plan and its own arrays needed at least half the block at once ([`LEFT_PIN_SHARE`]:
-//! a detector's outputs, kept by the caller into the next step, which needs the block as much).
-//! They are the new plan's *pins* ([`DeviceArena::pins_for`]): its
+//! [`MAX_PINS`]; in a block that can grow, up to [`MAX_SMALL_PINS`] holding at most an eighth of
+//! it: an optimizer's state made after the first step), small (those pinned this step at most a
+//! [`PIN_SHARE`]th of the block; those pinned by an earlier plan stay pins) and all known: served
+//! this step, at a position or from the gaps (a training loop's loss, kept until the next step's
+//! replaces it, in a step that left its plan). Larger ones, up to half a block that can grow,
+//! when the step left its plan and its own arrays needed at least half the block at once
+//! ([`LEFT_PIN_SHARE`]: a detector's outputs, kept by the caller into the next step, which needs
+//! the block as much). They are the new plan's *pins* ([`DeviceArena::pins_for`]): its
 //! positions are placed around them ([`crate::planner::greedy_by_size_around`]), or, when that no
 //! longer fits the block, placed as if they were not there, and a position over them is served
 //! apart until they drop (the step staying on its plan: [`Serve::Blocked`]); the gaps leave them
@@ -370,8 +372,25 @@ pub(crate) const MAX_SHELVED_POSITIONS: usize = if cfg!(test) { 1 << 12 } else {
 /// block grown in place under them; on blocks that cannot grow, the plan placed as if they were
 /// not there, 1.935x -> 2.049x). A Whisper-style decoder's step that projects the encoder's
 /// output for a request keeps seventeen arrays (keys and values of each layer and a few more):
-/// with sixteen, its block was retired under them (see [`LEFT_PIN_SHARE`]).
+/// with sixteen, its block was retired under them (see [`LEFT_PIN_SHARE`]). More in a block
+/// that can grow, when they hold little of it: see [`MAX_SMALL_PINS`].
 const MAX_PINS: usize = 32;
+
+/// The most arrays alive in a plan's block that can grow that it may keep as pins when they
+/// hold at most a [`SMALL_PINS_SHARE`]th of it, however many more than [`MAX_PINS`]: an
+/// optimizer's state made by a later step than the first, one or two arrays a parameter (SGD's
+/// momentum at the first step that a gradient scaler did not skip: ResNet-50 trained in fp16
+/// made its 161 buffers, 97 MiB, at its fourth step, from its 1.4 GiB block's gaps; AdamW's
+/// state of a layer that layer drop had skipped until then, 32 arrays, 57 MB of an 800 MiB
+/// block). Retired under them, the block stayed beside the next plan's block for good, most of
+/// it unused: 1.866x and 1.320x of those logs' peak live bytes; kept (and the steps after
+/// following the plan placed around them: [`DeviceArena::choose_plan`]), 1.024x and 1.249x. Not in
+/// a block that cannot grow, whose next plan is placed as if they were not there, with every
+/// position over them checked against each at every step (see [`Layout::block`]).
+const MAX_SMALL_PINS: usize = 512;
+
+/// See [`MAX_SMALL_PINS`].
+const SMALL_PINS_SHARE: usize = 8;
 
 /// A scope is served online only after its [`online::Shadow`] has measured this many steps.
 const ONLINE_AFTER: u32 = 4;
@@ -1833,7 +1852,10 @@ impl DeviceArena {
     /// planned again). Unless a step took it for that alone and it or the next step did not
     /// keep it so ([`Layout::followed`]): then the two kinds that begin alike are the steps'
     /// own and the plan's, and the steps stay on their own plan (taken again, it was left or
-    /// planned again at every step or every other, for good). Then the current plan. A shelved
+    /// planned again at every step or every other, for good). Then the current plan. But
+    /// before that preference, the current plan when it was placed around pins still alive: a
+    /// shelved plan's positions over them would go apart at every step while they live (an
+    /// optimizer's state made after the first step, see the code). A shelved
     /// plan is switched in only when no array uses the block, which the layouts share (a
     /// layout knows only its own arrays), but pins of the current plan (a loss from the last
     /// step, kept until this one replaces it) in a block that holds the shelved plan: the pins
@@ -1850,19 +1872,28 @@ impl DeviceArena {
         // later steps do not), then the tightest; else, again not from a cold start first,
         // the largest. Between plans whose first allocations are the same size, one that a
         // step followed to its end ([`Layout::followed`]).
-        let rank = |l: &Layout| {
+        // Arrays of earlier steps alive in the block that the current plan was placed around
+        // (none of their bytes blocked for it): a shelved plan's positions over them would be
+        // served apart, each a device allocation, at every step while they live (an
+        // optimizer's state made after the first step: ResNet-50 trained in fp16 took the plan
+        // of its steps before the state over the plan made around it, and allocated four arrays
+        // apart a step until a plan was made again, 1.072x of its peak live bytes; 1.024x and
+        // none so).
+        let around = !plan.pins.is_empty() && !plan.layout.blocks_any();
+        let rank = |l: &Layout, shelved: bool| {
             let first = l.first_size();
+            let over = around && shelved;
             if size <= first {
-                (false, l.cold, first, !l.followed)
+                (false, l.cold, first, over, !l.followed)
             } else {
-                (true, l.cold, usize::MAX - first, !l.followed)
+                (true, l.cold, usize::MAX - first, over, !l.followed)
             }
         };
-        let current = rank(&plan.layout);
+        let current = rank(&plan.layout, false);
         let mut best = current;
         let mut pick = None;
         for (i, s) in self.shelf.iter().enumerate() {
-            let r = rank(&s.layout);
+            let r = rank(&s.layout, true);
             if r < best {
                 (best, pick) = (r, Some(i));
             }
@@ -2254,10 +2285,11 @@ impl DeviceArena {
 
     /// The arrays of `plan`'s block alive at the end of a step that is planned again, as pins
     /// for the next plan of the block, when every one is known (served this step, at a position
-    /// or from the block's gaps, or pinned before), they are at most [`MAX_PINS`], and they hold
-    /// at most a [`PIN_SHARE`]th of the block: a training loop's loss, kept until the next
-    /// step's replaces it (in a scope served online: at most [`MAX_ONLINE_PINS`], whatever
-    /// their bytes). Empty when no array uses the block. `None` otherwise (a position
+    /// or from the block's gaps, or pinned before), they are at most [`MAX_PINS`] (or
+    /// [`MAX_SMALL_PINS`], see there), and those not pinned before hold at most a
+    /// [`PIN_SHARE`]th of the block: a training loop's loss, kept until the next step's
+    /// replaces it (in a scope served online: at most [`MAX_ONLINE_PINS`], whatever their
+    /// bytes). Empty when no array uses the block. `None` otherwise (a position
     /// alive since an earlier step, an array dropped on another thread whose bytes are not
     /// settled yet, a view used on another stream, or arrays too many or too large): the block
     /// is retired under them. Called after the layout's [`Layout::end_step`].
@@ -2274,7 +2306,15 @@ impl DeviceArena {
         } else {
             MAX_PINS
         };
-        if plan.tainted || views > most {
+        let grows = counts.block.is_growable();
+        // More than `most` only in a block that can grow, off the online tier, when they hold
+        // little of it (below).
+        let many = if grows && !self.online {
+            MAX_SMALL_PINS
+        } else {
+            most
+        };
+        if plan.tainted || views > many {
             return None;
         }
         let positions = plan.layout.alive_at_end()?;
@@ -2284,6 +2324,8 @@ impl DeviceArena {
             return None;
         }
         let mut pins = plan.pins.clone();
+        // The bytes the block keeps already: those of earlier steps' pins still alive.
+        let kept: usize = pins.iter().map(|p| p.range.len()).sum();
         let served = plan
             .handed_out()
             .map(|(rec, offset)| (gap_slot(rec), rec, offset));
@@ -2300,8 +2342,15 @@ impl DeviceArena {
         }
         let bytes: usize = pins.iter().map(|p| p.range.len()).sum();
         let block = counts.block.bytes();
-        let grows = counts.block.is_growable();
-        (self.online || bytes <= block / PIN_SHARE || grows && self.keeps_block_under(bytes, block))
+        // Many only when they hold little of a block that can grow ([`MAX_SMALL_PINS`]); and
+        // the budget of a [`PIN_SHARE`]th is for the arrays pinned this step: those pinned by
+        // an earlier plan the block keeps already, and retired under them it would stay beside
+        // the next plan's block until they drop (a Whisper-style decoder replayed in shuffled
+        // orders: 2-4 device allocations in the second half of each of twelve runs when they
+        // counted; none so, though 26 after the second step instead of 13-14).
+        let few = views <= most || bytes <= block / SMALL_PINS_SHARE;
+        let small = bytes - kept <= block / PIN_SHARE;
+        (few && (self.online || small || grows && self.keeps_block_under(bytes, block)))
             .then_some(pins)
     }
 

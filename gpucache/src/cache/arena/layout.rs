@@ -1128,6 +1128,12 @@ impl Layout {
         self.blocked.push(range);
     }
 
+    /// Whether bytes of the block are blocked for its positions ([`Layout::block`]): arrays of
+    /// earlier steps it was not placed around.
+    pub(super) fn blocks_any(&self) -> bool {
+        !self.blocked.is_empty()
+    }
+
     /// Forgets the bytes blocked (the block they are in left the plan).
     pub(super) fn clear_blocked(&mut self) {
         self.blocked.clear();

@@ -205,7 +205,10 @@
 //!   a step never holds two blocks for the sake of a few bytes. So under larger ones, up to half
 //!   a block that can grow (CUDA's), when the step left its plan and needed at least half the
 //!   block itself (a detector's masks, kept by the caller into the next step): the block grows
-//!   in place around them.
+//!   in place around them. And under many small ones, up to 512 holding at most an eighth of a
+//!   block that can grow: an optimizer's state made after the first step (a gradient scaler
+//!   skipped the first optimizer steps), kept for good; the steps after follow the plan placed
+//!   around it rather than an earlier plan whose positions it would block.
 //! * **A first step's arrays that later steps do not make** (a training step's first step makes
 //!   its optimizer's state in the middle of the step): a long run of positions apart is skipped
 //!   for the position after it, so that the next steps' temporaries of the same sizes are

@@ -655,7 +655,7 @@ fn a_step_whose_largest_array_grew_past_the_block_outgrows_its_plan() {
 
 /// A training loop whose optimizer makes its state at a later step than the first (a gradient
 /// scaler skipped the first optimizer steps; a layer dropped until then): 40 arrays, more than
-/// [`MAX_PINS`](crate::cache::arena) but a small share of the block, made from the block's gaps
+/// the 32 a block keeps under it otherwise but a small share of it, made from the block's gaps
 /// and kept for good. The block is kept under them as the next plan's (placed around them, grown
 /// in place), and the steps after, of the kind before the state, follow that plan rather than
 /// the one shelved before it, whose positions over the state would go apart at every step.
@@ -668,7 +668,7 @@ fn a_block_is_kept_under_an_optimizers_state_made_after_the_first_step() {
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
     let mut state: Vec<Array<u32>> = Vec::new();
-    // Eight activations kept for the backward pass, its chain, and at step `k` the state.
+    // Eight activations kept for the backward pass, its chain, and at the fourth step the state.
     let mut step = |k: usize| {
         let _scope = crate::enter(name);
         if k == 0 {
@@ -733,8 +733,8 @@ fn arrays_pinned_already_keep_the_block_when_the_step_is_planned_again() {
     for _ in 0..3 {
         step(0);
     }
-    // A step that leaves its plan (arrays past its end) and keeps three of them, a tenth of the
-    // block.
+    // A step that leaves its plan (arrays past its end) and keeps three of them, 1.5 MiB, about
+    // a ninth of the block.
     let kept: Vec<Array<u32>> = {
         let _scope = crate::enter(name);
         let acts: Vec<_> = (0..8).map(|i| filled(262_144, 10 + i)).collect();

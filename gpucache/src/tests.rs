@@ -653,6 +653,18 @@ fn a_step_whose_largest_array_grew_past_the_block_outgrows_its_plan() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
+/// A training step's pass in the caller's scope: eight activations of 1 MiB (the last `grow`
+/// elements larger) kept through a chain of six more, checked, and returned (the caller drops
+/// them).
+fn activations_through_a_chain(grow: usize) -> Vec<Array<u32>> {
+    let acts: Vec<_> = (0..8)
+        .map(|i| filled(262_144 + if i == 7 { grow } else { 0 }, 10 + i))
+        .collect();
+    chain([262_144; 6]);
+    assert!(acts.iter().zip(10..).all(|(a, i)| holds(a, i)));
+    acts
+}
+
 /// A training loop whose optimizer makes its state at a later step than the first (a gradient
 /// scaler skipped the first optimizer steps; a layer dropped until then): 40 arrays, more than
 /// the 32 a block keeps under it otherwise but a small share of it, made from the block's gaps
@@ -668,7 +680,7 @@ fn a_block_is_kept_under_an_optimizers_state_made_after_the_first_step() {
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
     let mut state: Vec<Array<u32>> = Vec::new();
-    // Eight activations kept for the backward pass, its chain, and at the fourth step the state.
+    // A training step's pass, and at the fourth step the state.
     let mut step = |k: usize| {
         let _scope = crate::enter(name);
         if k == 0 {
@@ -676,10 +688,7 @@ fn a_block_is_kept_under_an_optimizers_state_made_after_the_first_step() {
             // again, not from a cold start.
             drop(filled(262_144, 9));
         }
-        let acts: Vec<_> = (0..8).map(|i| filled(262_144, 10 + i)).collect();
-        chain([262_144; 6]);
-        assert!(acts.iter().zip(10..).all(|(a, i)| holds(a, i)));
-        drop(acts);
+        drop(activations_through_a_chain(0));
         if k == 3 {
             state.extend((0..40).map(|i| filled(4096, 100 + i)));
         }
@@ -721,14 +730,9 @@ fn arrays_pinned_already_keep_the_block_when_the_step_is_planned_again() {
     let name = "unit-pinned-again";
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
-    // Eight activations, a chain, and `grow` more elements in the last activation.
     let step = |grow: usize| {
         let _scope = crate::enter(name);
-        let acts: Vec<_> = (0..8)
-            .map(|i| filled(262_144 + if i == 7 { grow } else { 0 }, 10 + i))
-            .collect();
-        chain([262_144; 6]);
-        assert!(acts.iter().zip(10..).all(|(a, i)| holds(a, i)));
+        drop(activations_through_a_chain(grow));
     };
     for _ in 0..3 {
         step(0);
@@ -737,9 +741,7 @@ fn arrays_pinned_already_keep_the_block_when_the_step_is_planned_again() {
     // a ninth of the block.
     let kept: Vec<Array<u32>> = {
         let _scope = crate::enter(name);
-        let acts: Vec<_> = (0..8).map(|i| filled(262_144, 10 + i)).collect();
-        chain([262_144; 6]);
-        drop(acts);
+        drop(activations_through_a_chain(0));
         (0..3).map(|i| filled(131_072, 100 + i)).collect()
     };
     step(0);

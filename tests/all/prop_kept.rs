@@ -315,3 +315,52 @@ fn a_step_placed_around_its_arrays_waits_for_no_block() {
     ];
     run_loop(&steps, false);
 }
+
+/// A growing loop the random ones found: step 2 outgrows its plan at its first array and follows
+/// the plan scaled, in the block it had, which grows only when a position past its end is served.
+/// Its second array fit in the block, but not its position's range (the most it may take), and
+/// when the step left the plan at its third array, that range, alive, went into the block's gaps
+/// and came back to them past the block's end. A position past the end is now one whose range
+/// passes it.
+#[test]
+fn a_position_whose_range_passes_a_block_not_grown_yet_grows_it() {
+    let _serial = serial();
+    let step = |rows: &[usize], window, loss_at, loss, old, hold| Step {
+        rows: rows.to_vec(),
+        window,
+        loss_at,
+        loss,
+        old,
+        event: None,
+        hold,
+    };
+    let steps = [
+        step(
+            &[40, 60, 20, 40, 60, 20, 40],
+            1,
+            9,
+            (Dt::F32, &[1]),
+            Old::SendAt(9),
+            true,
+        ),
+        step(
+            &[40, 60, 40, 20, 40, 40, 40, 40],
+            2,
+            6,
+            (Dt::F32, &[4]),
+            Old::SendAt(2),
+            true,
+        ),
+        step(
+            &[56, 56, 84, 84, 28],
+            1,
+            3,
+            (Dt::U8, &[300]),
+            Old::After,
+            true,
+        ),
+        step(&[72, 36], 1, 8, (Dt::F32, &[4]), Old::After, false),
+        step(&[88, 44, 88, 88], 2, 6, (Dt::F32, &[1]), Old::After, false),
+    ];
+    run_loop(&steps, true);
+}

@@ -3237,7 +3237,10 @@ impl CacheState {
 
     /// Position `pos` at `offset` of device `i`'s plan (marked alive by [`Layout::serve`]): a
     /// view of the plan's block, made first if need be (a miss, counted when the block is
-    /// allocated). A view of a block that was there is counted as a hit.
+    /// allocated). A view of a block that was there is counted as a hit. A plan scaled for the
+    /// step may have a block smaller than its footprint (taken back as it was, to grow when a
+    /// position past its end is served, see below): such a block is never made ready for the
+    /// hit path, so that every position of the step is checked here.
     fn served_at(
         &mut self,
         st: &Counters,
@@ -3253,12 +3256,23 @@ impl CacheState {
             unreachable!("served from a plan")
         };
         let footprint = plan.layout.footprint;
+        let size = aligned(req.bytes).unwrap_or(req.bytes);
+        // A plan scaled for this step grows its block only when a position past the block's end
+        // is served: a step scaled from its first allocation alone may leave the plan at its
+        // next (an evaluation step, twice the training step's batch, in the training step's
+        // scope: the block grown at once to the training plan scaled twofold held 1.968x of the
+        // log's peak live bytes for good, for a step whose arrays needed a fifth of it; 1.011x
+        // so).
+        let lazily = a.scaled && !capturing();
         let arena = match plan.block {
             Some(arena) => arena,
-            None => match a.given_up.take_if(|(b, _)| b.bytes() >= footprint) {
-                // The block given up last holds the plan as it is: it is the plan's block again
-                // (counted as cached all along, as a plan's block with no array is), made ready
-                // for the step's stream below.
+            None => match a
+                .given_up
+                .take_if(|(b, _)| b.bytes() >= footprint || lazily && b.is_growable())
+            {
+                // The block given up last holds the plan as it is (or can grow to, as above): it
+                // is the plan's block again (counted as cached all along, as a plan's block with
+                // no array is), made ready for the step's stream below.
                 Some((block, _)) => {
                     let arena = ArenaBlock::new(block, generation);
                     plan.block = Some(arena);
@@ -3272,7 +3286,53 @@ impl CacheState {
                 }
             },
         };
-        match plan.make_ready(arena) {
+        // SAFETY: a plan's block is the cache's until detached, and alive while it is.
+        let bytes = |arena: BlockPtr| unsafe { arena.as_ref() }.block.bytes();
+        // SAFETY: as above.
+        let views = |arena: BlockPtr| unsafe { arena.as_ref() }.views();
+        // Whether the position's range (the most it may take, which the step's gaps take and
+        // give back whole) passes the block's end.
+        let past = |plan: &Plan| plan.layout.range(pos).end > bytes(arena);
+        let mut at = Some(offset);
+        if past(plan) && rec == 0 {
+            // The step's first position, past the block's end: moved to the block's bottom for
+            // this step, where it can be ([`Layout::lower`]).
+            plan.layout.unserve(pos);
+            plan.layout.lower(pos);
+            at = match plan.layout.serve(pos, size, rec) {
+                Serve::At(offset) => Some(offset),
+                _ => None,
+            };
+        }
+        let grows = plan.grows_now();
+        let ready = match at {
+            Some(offset) if past(plan) => {
+                if grows && a.grow_block(st, arena, footprint) {
+                    a.plan.as_mut().map_or(Ok(false), |p| p.make_ready(arena))
+                } else if views(arena) == 0 {
+                    // The device refused the growth, with no array in the block: it goes back,
+                    // and the plan gets a new one (as a block given up that cannot grow).
+                    if let Some((b, in_use)) = a.plan.as_mut().and_then(Plan::take_block) {
+                        self.live += usize::from(a.detach(st, b, in_use, false));
+                    }
+                    if let Some(plan) = &mut a.plan {
+                        plan.layout.unserve(pos);
+                    }
+                    a.awaiting = Some(Awaiting::Plan { pos, offset, rec });
+                    return a.alloc(st, footprint, true);
+                } else {
+                    // Refused with arrays in the block, or it cannot grow now (another stream
+                    // used it, or a graph is captured): the step goes apart, as below.
+                    Ok(false)
+                }
+            }
+            Some(_) => plan.make_ready(arena),
+            None => Ok(false),
+        };
+        let Some(plan) = &mut a.plan else {
+            unreachable!("served from a plan")
+        };
+        match ready {
             Ok(true) => {}
             Ok(false) => {
                 // The step goes apart and re-plans.
@@ -3286,6 +3346,12 @@ impl CacheState {
                 return Planned::Failed(e);
             }
         }
+        if footprint > bytes(arena) {
+            // The block does not hold the plan yet: every position comes here, where one past its
+            // end grows it ([`CacheState::plan_hit`] serves only a block made ready).
+            plan.ready = false;
+        }
+        let offset = at.unwrap_or(offset);
         let got = plan.position_view(st, a.gauge, arena, (pos, offset), req.bytes, a.step);
         if matches!(got, Planned::View(..)) {
             add(&st.hits, 1);

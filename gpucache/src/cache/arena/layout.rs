@@ -1341,6 +1341,46 @@ impl Layout {
         true
     }
 
+    /// Moves position `k`, just unserved, to the bottom of the block for the rest of the step,
+    /// the positions below it moved up by its size (those above it stay), when no other position
+    /// meets its bytes and no earlier step's array holds bytes of the block: the address space
+    /// below its end rotated, so that positions whose bytes were apart stay apart. The layout is then for that step only ([`Layout::one_step`]; the
+    /// plan as it was comes back at its end). Returns whether it moved.
+    ///
+    /// For a plan scaled at a step's first allocation ([`Layout::scale`]): that position, placed
+    /// high in the plan scaled (arrays are placed largest first, and a step's input is not among
+    /// them), would grow the block at once, where a step that leaves the plan at its next
+    /// allocations (not the same step larger after all) needs no more than the block it has.
+    pub(super) fn lower(&mut self, k: u32) -> bool {
+        let placed = |t: &Spot| !t.apart && t.size > 0;
+        let Some(s) = self.spots.get(k as usize).filter(|s| placed(s)) else {
+            return false;
+        };
+        let (lo, hi) = (s.offset, s.offset + s.size);
+        let meets = (0u32..)
+            .zip(&self.spots)
+            .any(|(j, t)| j != k && placed(t) && t.offset < hi && lo < t.offset + t.size);
+        // Nor with bytes of the block held by earlier steps' arrays, which the positions moved
+        // could meet.
+        if meets || self.one_step() || !self.blocked.is_empty() || !self.overdue.is_empty() {
+            return false;
+        }
+        let size = hi - lo;
+        let moved: Vec<(usize, usize, usize)> = (0..self.spots.len())
+            .filter_map(|j| {
+                let t = &self.spots[j];
+                if j == k as usize {
+                    Some((j, 0, t.size))
+                } else {
+                    (placed(t) && t.offset < lo).then_some((j, t.offset + size, t.size))
+                }
+            })
+            .collect();
+        let footprint = self.footprint;
+        self.for_one_step(moved.into_iter(), footprint);
+        true
+    }
+
     /// Scales the plan for the step recorded so far as `record` as [`Layout::scale`] does, and
     /// places its rest, from position `from` on, again (largest first, best fit: see
     /// [`planner::greedy_by_size_among`]) at its planned lifetimes and scaled sizes, among the

@@ -222,6 +222,12 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) around_missed: u8,
     /// How many shadows stopped without the scope going online.
     pub(super) shadow_misses: u32,
+    /// The sizes of the first allocations of the steps since the cache's cold start, while they
+    /// are at most two.
+    pub(super) firsts: Firsts,
+    /// The step outgrew its plan in doubt, and its block's gaps serve it: at its first array
+    /// that no gap holds, the block grows to the plan scaled (`DeviceArena::doubted`).
+    pub(super) in_doubt: bool,
     /// What a plan scaled for a step takes more than the step's ratio: raised when an array of
     /// a step scaled so was larger than its place, until the cache's cold start.
     pub(super) margin: Margin,
@@ -270,5 +276,38 @@ impl Arenas {
                 && a.spares.is_empty()
                 && a.given_up.is_none()
         })
+    }
+}
+
+/// The sizes of the steps' first allocations since a planned cache's cold start, while they
+/// are at most two.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Firsts {
+    /// No step yet.
+    #[default]
+    None,
+    /// Every step's first allocation was this many aligned bytes.
+    One(usize),
+    /// Every step's first allocation was of one of these sizes.
+    Two(usize, usize),
+    /// Of more sizes.
+    Varied,
+}
+
+impl Firsts {
+    /// Notes a step's first allocation, of `size` aligned bytes.
+    pub(super) fn note(&mut self, size: usize) {
+        *self = match *self {
+            Firsts::None => Firsts::One(size),
+            Firsts::One(a) if a != size => Firsts::Two(a, size),
+            Firsts::Two(a, b) if a != size && b != size => Firsts::Varied,
+            same => same,
+        };
+    }
+
+    /// Whether the steps so far began with at most two sizes: a fixed-shape loop of one kind of
+    /// step, or of two (training and evaluation steps), not a loop whose shapes vary.
+    pub(super) fn few(self) -> bool {
+        self != Firsts::Varied
     }
 }

@@ -1297,6 +1297,14 @@ impl Layout {
         self.scaling(record).is_some()
     }
 
+    /// The footprint [`Layout::scale`] would give the plan for the step recorded so far as
+    /// `record`, `None` when it would not scale it.
+    pub(super) fn scaled_footprint(&self, record: &[Rec], margin: Margin) -> Option<usize> {
+        let (asked, planned) = self.scaling(record)?;
+        let x = (self.footprint as u128 * margin.of(asked)).div_ceil(planned);
+        usize::try_from(x).ok().and_then(super::block::aligned)
+    }
+
     /// Scales the plan by the ratio in which the step recorded so far as `record` outgrew it
     /// (its largest array's, when that grew; else the total's: see `scaling`), for the rest of
     /// that step, from position `from` on, in a new block. Returns whether it
@@ -1341,11 +1349,42 @@ impl Layout {
         true
     }
 
+    /// Whether most of the plan's peak is held by arrays made long before it (more than an
+    /// eighth of its positions earlier, and more than two): a training step's activations, kept
+    /// from its forward pass for its backward pass. A step of another kind that begins as this
+    /// one does, larger (an evaluation step's forward pass on a larger batch), keeps none of
+    /// them, and needs a fraction of the plan scaled.
+    pub(super) fn kept_at_peak(&self) -> bool {
+        let n = self.spots.len();
+        let placed = |s: &Spot| !s.apart && s.size > 0;
+        // The bytes alive at each tick, as changes: each placed array from its position to its
+        // planned end.
+        let mut change = vec![0isize; n + 2];
+        for (k, s) in self.spots.iter().enumerate().filter(|(_, s)| placed(s)) {
+            change[k] += s.size as isize;
+            change[(s.end as usize).clamp(k + 1, n + 1)] -= s.size as isize;
+        }
+        let (mut live, mut peak, mut at) = (0isize, 0isize, 0usize);
+        for (t, c) in change.iter().enumerate() {
+            live += c;
+            if live > peak {
+                (peak, at) = (live, t);
+            }
+        }
+        let long = (n / 8).max(2);
+        let kept: isize = (self.spots.iter().enumerate())
+            .filter(|&(k, s)| placed(s) && k + long < at && s.end as usize > at)
+            .map(|(_, s)| s.size as isize)
+            .sum();
+        peak > 0 && 2 * kept >= peak
+    }
+
     /// Moves position `k`, just unserved, to the bottom of the block for the rest of the step,
     /// the positions below it moved up by its size (those above it stay), when no other position
     /// meets its bytes and no earlier step's array holds bytes of the block: the address space
-    /// below its end rotated, so that positions whose bytes were apart stay apart. The layout is then for that step only ([`Layout::one_step`]; the
-    /// plan as it was comes back at its end). Returns whether it moved.
+    /// below its end rotated, so that positions whose bytes were apart stay apart. The layout is
+    /// then for that step only ([`Layout::one_step`]; the plan as it was comes back at its end).
+    /// Returns whether it moved.
     ///
     /// For a plan scaled at a step's first allocation ([`Layout::scale`]): that position, placed
     /// high in the plan scaled (arrays are placed largest first, and a step's input is not among

@@ -818,62 +818,65 @@ fn arrays_pinned_already_keep_the_block_when_the_step_is_planned_again() {
     assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
-/// A training step twice as large as the plan's (a larger batch): the plan is scaled at its
-/// first allocation, and the block, taken back as it is, grows once, when the first position past
-/// its end is served; every array keeps its values. When the device refuses that growth, arrays
-/// of the step being in the block already, the rest of the step goes apart (each checked), and
-/// the next step of that size is planned with no loss: every block goes back at the end.
+/// A training step twice as large as the plan's (a larger batch), in a loop whose inputs varied
+/// a little before (the plan is scaled at its first allocation, and the block, taken back as it
+/// is, grows once, when the first position past its end is served) and in a fixed-shape loop
+/// (the step is in doubt and served from the block's gaps, and the block grows once, at the
+/// first array they do not hold); every array keeps its values. When the device refuses that
+/// growth, arrays of the step being in the block already, the rest of the step goes apart (each
+/// checked), and the next step of that size is planned with no loss: every block goes back at
+/// the end.
 #[test]
 fn a_plan_scaled_for_a_larger_step_grows_its_block_when_a_position_needs_it() {
     let name = "unit-scaled-lazily";
     let (backend, _installed, _serial) = planned(name);
     backend.set_growable(true);
-    let step = |scale: usize| {
+    // The input `less` rows of 1 KiB short of its batch's.
+    let step = |scale: usize, less: usize| {
         let _scope = crate::enter(name);
-        let x = filled(65_536 * scale, 1);
+        let x = filled(65_536 * scale - 256 * less, 1);
         let acts: Vec<_> = (0..8).map(|i| filled(262_144 * scale, 10 + i)).collect();
         chain([262_144 * scale; 6]);
         assert!(acts.iter().zip(10..).all(|(a, i)| holds(a, i)));
         assert!(holds(&x, 1));
     };
-    for _ in 0..2 {
-        step(1);
+    for vary in [1, 0] {
+        let smaller = || (0..3).for_each(|k| step(1, vary * k));
+        smaller();
+        let (allocs, grows) = (backend.allocs(), backend.grows());
+        step(2, 0);
+        assert_eq!(backend.grows(), grows + 1, "the block grew once");
+        assert_eq!(
+            backend.allocs(),
+            allocs + 1,
+            "and nothing else was allocated"
+        );
+        let allocs = backend.allocs();
+        step(2, 0);
+        assert_eq!(
+            backend.allocs(),
+            allocs,
+            "the scaled plan serves the next step"
+        );
+        // Again from the smaller kind, but the growth refused.
+        crate::invalidate(name);
+        smaller();
+        let (failures, grows) = (backend.failures(), backend.grows());
+        backend.fail_nth(1);
+        step(2, 0);
+        assert_eq!(backend.failures(), failures + 1, "the growth was refused");
+        assert_eq!(backend.grows(), grows);
+        step(2, 0);
+        let allocs = backend.allocs();
+        step(2, 0);
+        assert_eq!(
+            backend.allocs(),
+            allocs,
+            "planned again, the step allocates nothing"
+        );
+        crate::invalidate(name);
+        assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
     }
-    let (allocs, grows) = (backend.allocs(), backend.grows());
-    step(2);
-    assert_eq!(backend.grows(), grows + 1, "the block grew once");
-    assert_eq!(
-        backend.allocs(),
-        allocs + 1,
-        "and nothing else was allocated"
-    );
-    let allocs = backend.allocs();
-    step(2);
-    assert_eq!(
-        backend.allocs(),
-        allocs,
-        "the scaled plan serves the next step"
-    );
-    // Again from the smaller kind, but the growth refused.
-    crate::invalidate(name);
-    for _ in 0..2 {
-        step(1);
-    }
-    let (failures, grows) = (backend.failures(), backend.grows());
-    backend.fail_nth(1);
-    step(2);
-    assert_eq!(backend.failures(), failures + 1, "the growth was refused");
-    assert_eq!(backend.grows(), grows);
-    step(2);
-    let allocs = backend.allocs();
-    step(2);
-    assert_eq!(
-        backend.allocs(),
-        allocs,
-        "planned again, the step allocates nothing"
-    );
-    crate::invalidate(name);
-    assert_eq!(backend.outstanding_bytes(), 0, "every block went back");
 }
 
 /// An evaluation step in the training step's scope: its first allocation, an input twice the

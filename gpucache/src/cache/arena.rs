@@ -217,8 +217,9 @@
 //! allocations, until no array of it is alive.
 //!
 //! A plan remade keeps its block under arrays still alive there when they are few (at most
-//! [`MAX_PINS`]; in a block that can grow, up to [`MAX_SMALL_PINS`] holding at most an eighth of
-//! it: an optimizer's state made after the first step), small (those pinned this step at most a
+//! [`MAX_PINS`]; in a block that can grow, up to [`MAX_SMALL_PINS`] holding at most a
+//! [`SMALL_PINS_SHARE`]th of it: an optimizer's state made after the first step, gradients
+//! accumulated over micro-batches), small (those pinned this step at most a
 //! [`PIN_SHARE`]th of the block; those pinned by an earlier plan stay pins) and all known: served
 //! this step, at a position or from the gaps (a training loop's loss, kept until the next step's
 //! replaces it, in a step that left its plan). Larger ones, up to half a block that can grow,
@@ -2217,8 +2218,7 @@ impl DeviceArena {
     /// its block grown to twice the training step's at the fifth and held so for good (2.006x of
     /// the log's peak live bytes; 1.024x so).
     fn doubts(&self) -> bool {
-        self.outgrew
-            && self.firsts.few()
+        self.firsts.few()
             && self
                 .plan
                 .as_ref()
@@ -2239,14 +2239,26 @@ impl DeviceArena {
         let bytes = unsafe { arena.as_ref() }.block.bytes();
         let scaled = plan.layout.scaled_footprint(&self.record, self.margin);
         let want = scaled.unwrap_or(0).max(bytes + size);
-        if !plan.grows_now() || !self.grow_block(st, arena, want) {
+        self.grow_with_gaps(st, arena, want)?.take(rec, size, false)
+    }
+
+    /// Grows the plan's block `arena`, whose gaps are open, in place to `bytes` (when it can
+    /// grow now: [`Plan::grows_now`]; see [`DeviceArena::grow_block`]): its new bytes are a gap.
+    /// Returns the gaps, `None` when it did not grow.
+    fn grow_with_gaps(
+        &mut self,
+        st: &Counters,
+        arena: BlockPtr,
+        bytes: usize,
+    ) -> Option<&mut Gaps> {
+        if !self.plan.as_ref()?.grows_now() || !self.grow_block(st, arena, bytes) {
             return None;
         }
-        // SAFETY: as above.
+        // SAFETY: a plan's block is the cache's until detached, and alive while it is.
         let grown = unsafe { arena.as_ref() }.block.bytes();
         let gaps = self.plan.as_mut()?.gaps.as_mut()?;
         gaps.grow(grown);
-        gaps.take(rec, size, false)
+        Some(gaps)
     }
 
     /// Frees the plan's block if no array uses it (a step that left its plan uses it no more).
@@ -2262,7 +2274,7 @@ impl DeviceArena {
         if plan.block.is_none() || plan.block_in_use() {
             return false;
         }
-        let doubt = self.doubts();
+        let doubt = self.outgrew && self.doubts();
         if self.outgrew && (doubt || !self.may_scale()) && self.gaps_instead() {
             self.in_doubt = doubt;
             return false;
@@ -2561,18 +2573,12 @@ impl DeviceArena {
                 let bytes = online::grown_for(gaps, size)?;
                 // The backend maps the new bytes after the block's end: the arrays' views stay
                 // valid.
-                if !plan.grows_now() || !self.grow_block(st, arena, bytes) {
-                    return None;
-                }
+                self.grow_with_gaps(st, arena, bytes)?;
                 // Small arrays kept in the block from earlier steps split its free bytes: from
                 // now on small arrays get slots of slabs (not before: a scope whose small pins
                 // cost it no growth would pay a device allocation for a slab).
                 self.tiny_apart |= self.plan.as_ref().is_some_and(Plan::small_pins);
-                // SAFETY: a plan's block is the cache's until detached, and alive while it is.
-                let grown = unsafe { arena.as_ref() }.block.bytes();
-                let gaps = self.plan.as_mut()?.gaps.as_mut()?;
-                gaps.grow(grown);
-                gaps.take(rec, size, false)?
+                self.plan.as_mut()?.gaps.as_mut()?.take(rec, size, false)?
             }
         };
         let plan = self.plan.as_mut()?;
@@ -3347,8 +3353,6 @@ impl CacheState {
         };
         // SAFETY: a plan's block is the cache's until detached, and alive while it is.
         let bytes = |arena: BlockPtr| unsafe { arena.as_ref() }.block.bytes();
-        // SAFETY: as above.
-        let views = |arena: BlockPtr| unsafe { arena.as_ref() }.views();
         // Whether the position's range (the most it may take, which the step's gaps take and
         // give back whole) passes the block's end.
         let past = |plan: &Plan| plan.layout.range(pos).end > bytes(arena);
@@ -3368,7 +3372,7 @@ impl CacheState {
             Some(offset) if past(plan) => {
                 if grows && a.grow_block(st, arena, footprint) {
                     a.plan.as_mut().map_or(Ok(false), |p| p.make_ready(arena))
-                } else if views(arena) == 0 {
+                } else if !a.plan.as_ref().is_some_and(Plan::block_in_use) {
                     // The device refused the growth, with no array in the block: it goes back,
                     // and the plan gets a new one (as a block given up that cannot grow).
                     if let Some((b, in_use)) = a.plan.as_mut().and_then(Plan::take_block) {

@@ -194,6 +194,11 @@ struct Spot {
 const _: () = assert!(std::mem::size_of::<Spot>() == 48);
 
 impl Spot {
+    /// Placed in the block: not apart, and of some size.
+    fn placed(&self) -> bool {
+        !self.apart && self.size > 0
+    }
+
     /// Apart and not recurring: what a first step's optimizer state looks like, which later
     /// steps do not make ([`Layout::skips_run`], [`Layout::in_state_run`]).
     fn is_state(&self) -> bool {
@@ -1300,9 +1305,23 @@ impl Layout {
     /// The footprint [`Layout::scale`] would give the plan for the step recorded so far as
     /// `record`, `None` when it would not scale it.
     pub(super) fn scaled_footprint(&self, record: &[Rec], margin: Margin) -> Option<usize> {
+        self.scaler(record, margin)?(self.footprint)
+    }
+
+    /// The map [`Layout::scale`] puts the plan's offsets and ends through for the step recorded
+    /// so far as `record` (each multiplied by the ratio, `margin` more, rounded up to the
+    /// alignment; `None` past what a size holds), `None` when it would not scale the plan.
+    fn scaler(
+        &self,
+        record: &[Rec],
+        margin: Margin,
+    ) -> Option<impl Fn(usize) -> Option<usize> + use<>> {
         let (asked, planned) = self.scaling(record)?;
-        let x = (self.footprint as u128 * margin.of(asked)).div_ceil(planned);
-        usize::try_from(x).ok().and_then(super::block::aligned)
+        let asked = margin.of(asked);
+        Some(move |x: usize| {
+            let x = (x as u128 * asked).div_ceil(planned);
+            usize::try_from(x).ok().and_then(super::block::aligned)
+        })
     }
 
     /// Scales the plan by the ratio in which the step recorded so far as `record` outgrew it
@@ -1339,7 +1358,7 @@ impl Layout {
         // The bytes kept for the arrays before `from` planned to live on past it, scaled.
         let before: Vec<(usize, usize)> = self.spots[..from]
             .iter()
-            .filter(|s| !s.apart && s.end as usize > from && s.size > 0)
+            .filter(|s| s.placed() && s.end as usize > from)
             .map(|s| (s.offset, s.offset + s.size))
             .collect();
         let unused: usize = before.iter().map(|(lo, hi)| hi - lo).sum();
@@ -1356,11 +1375,10 @@ impl Layout {
     /// them, and needs a fraction of the plan scaled.
     pub(super) fn kept_at_peak(&self) -> bool {
         let n = self.spots.len();
-        let placed = |s: &Spot| !s.apart && s.size > 0;
         // The bytes alive at each tick, as changes: each placed array from its position to its
         // planned end.
         let mut change = vec![0isize; n + 2];
-        for (k, s) in self.spots.iter().enumerate().filter(|(_, s)| placed(s)) {
+        for (k, s) in self.spots.iter().enumerate().filter(|(_, s)| s.placed()) {
             change[k] += s.size as isize;
             change[(s.end as usize).clamp(k + 1, n + 1)] -= s.size as isize;
         }
@@ -1373,7 +1391,7 @@ impl Layout {
         }
         let long = (n / 8).max(2);
         let kept: isize = (self.spots.iter().enumerate())
-            .filter(|&(k, s)| placed(s) && k + long < at && s.end as usize > at)
+            .filter(|&(k, s)| s.placed() && k + long < at && s.end as usize > at)
             .map(|(_, s)| s.size as isize)
             .sum();
         peak > 0 && 2 * kept >= peak
@@ -1391,14 +1409,13 @@ impl Layout {
     /// them), would grow the block at once, where a step that leaves the plan at its next
     /// allocations (not the same step larger after all) needs no more than the block it has.
     pub(super) fn lower(&mut self, k: u32) -> bool {
-        let placed = |t: &Spot| !t.apart && t.size > 0;
-        let Some(s) = self.spots.get(k as usize).filter(|s| placed(s)) else {
+        let Some(s) = self.spots.get(k as usize).filter(|s| s.placed()) else {
             return false;
         };
         let (lo, hi) = (s.offset, s.offset + s.size);
         let meets = (0u32..)
             .zip(&self.spots)
-            .any(|(j, t)| j != k && placed(t) && t.offset < hi && lo < t.offset + t.size);
+            .any(|(j, t)| j != k && t.placed() && t.offset < hi && lo < t.offset + t.size);
         // Nor with bytes of the block held by earlier steps' arrays, which the positions moved
         // could meet.
         if meets || self.one_step() || !self.blocked.is_empty() || !self.overdue.is_empty() {
@@ -1411,7 +1428,7 @@ impl Layout {
                 if j == k as usize {
                     Some((j, 0, t.size))
                 } else {
-                    (placed(t) && t.offset < lo).then_some((j, t.offset + size, t.size))
+                    (t.placed() && t.offset < lo).then_some((j, t.offset + size, t.size))
                 }
             })
             .collect();
@@ -1532,12 +1549,7 @@ impl Layout {
             // scale, and the plan scaled whole must stay the one kept.
             return None;
         }
-        let (asked, planned) = self.scaling(record)?;
-        let asked = margin.of(asked);
-        let scaled = |x: usize| {
-            let x = (x as u128 * asked).div_ceil(planned);
-            usize::try_from(x).ok().and_then(super::block::aligned)
-        };
+        let scaled = self.scaler(record, margin)?;
         // The largest value scaled: every offset and end is at most the footprint.
         let footprint = scaled(self.footprint)?;
         self.forget_growth();

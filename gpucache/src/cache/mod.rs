@@ -47,8 +47,8 @@ mod arena;
 pub(crate) use arena::slab::SLAB_BYTES;
 #[cfg(test)]
 pub(crate) use arena::{
-    MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, ROOMS_HELD, SHADOWED_STEPS, SHELVED_MOST,
-    SLABS_MADE,
+    MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, RESTS_KEPT, ROOMS_HELD, SHADOWED_STEPS,
+    SHELVED_MOST, SLABS_MADE,
 };
 pub(crate) mod counters;
 #[cfg(feature = "tracing")]

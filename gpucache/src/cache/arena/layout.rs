@@ -565,7 +565,8 @@ impl Layout {
     /// as that room is small beside `high`, the most the cache has held ([`growth_ahead`]).
     ///
     /// The allocations `held_over` says are placed, not apart ([`Layout::held_over`]): one the
-    /// step kept past its end at the lifetime `old` gave its position, the others at their own.
+    /// step kept past its end at the lifetime `old` gave its position (to the step's end, with
+    /// no `old`), the others at their own.
     ///
     /// A step aligned with `old` in which at most a [`MOVED_AT_MOST`]th of the positions changed
     /// (their size or planned end) keeps the others at their offsets in `old`, and only those
@@ -1536,13 +1537,15 @@ impl Layout {
     /// The arrays alive in the block when a step's rest is placed again from position `from`
     /// on, each with its lifetime and offset: those at the positions before `from`, made this
     /// step, until their planned ends (past them, overdue, through the step: the rest's
-    /// positions over them would wait), and the pins' ranges `pinned`, throughout. `None` when
-    /// an array of an earlier step, or one at a position of the rest, is alive at a position:
-    /// its bytes are where the rest would move.
+    /// positions over them would wait; so too those held over, with `held`: the step keeps
+    /// them), and the pins' ranges `pinned`, throughout. `None` when an array of an earlier
+    /// step, or one at a position of the rest, is alive at a position: its bytes are where the
+    /// rest would move.
     fn alive_before(
         &self,
         from: u32,
         pinned: &[std::ops::Range<usize>],
+        held: bool,
     ) -> Option<Vec<(Lifetime, usize)>> {
         let (epoch, n) = (self.epoch, self.spots.len() as u32);
         let mut placed: Vec<(Lifetime, usize)> = Vec::new();
@@ -1553,7 +1556,7 @@ impl Layout {
             if k >= from || s.epoch != epoch {
                 return None;
             }
-            let end = if s.overdue {
+            let end = if s.overdue || held && s.held_over() {
                 n + 1
             } else {
                 s.end.max(from + 1)
@@ -1587,8 +1590,9 @@ impl Layout {
 
     /// Places the rest of a step that keeps the arrays held over ([`Layout::keeps_held_over`]),
     /// from position `from` on, again: at their sizes and planned lifetimes, those held over to
-    /// the step's end, around the arrays alive in the block ([`Layout::alive_before`]; the
-    /// pins' ranges `pinned`). The layout is then for that step only ([`Layout::one_step`]).
+    /// the step's end, around the arrays alive in the block, those held over through the step
+    /// ([`Layout::alive_before`]; the pins' ranges `pinned`). The layout is then for that step
+    /// only ([`Layout::one_step`]).
     /// Returns the bytes the block must hold; `None`, with nothing changed, when an array of an
     /// earlier step or of a position of the rest is alive in the block, or the rest needs more
     /// than `most` bytes. Undone by [`Layout::whole_again`] at the step's end.
@@ -1607,7 +1611,7 @@ impl Layout {
         if self.one_step() {
             return None;
         }
-        let placed = self.alive_before(from, pinned)?;
+        let placed = self.alive_before(from, pinned, true)?;
         let n = self.spots.len() as u32;
         let rest: Vec<u32> = (from..n)
             .filter(|&k| self.spots[k as usize].placed())
@@ -1662,7 +1666,7 @@ impl Layout {
         pinned: &[std::ops::Range<usize>],
         margin: Margin,
     ) -> Option<usize> {
-        let placed = self.alive_before(from, pinned)?;
+        let placed = self.alive_before(from, pinned, false)?;
         let rest = self.scale_whole(record, from, margin)?;
         let lives = self.lives_of(&rest);
         let plan = planner::greedy_by_size_among(&lives, &placed);
@@ -2439,6 +2443,46 @@ mod tests {
         assert_eq!(l.next(1024, 4), (Serve::Diverged, NONE));
         // A small array past the end is extra: the step stays on its plan.
         assert_eq!(l.next(256, 4), (Serve::Extra, NONE));
+    }
+
+    #[test]
+    fn a_rest_placed_again_keeps_clear_of_a_held_over_array_not_yet_past_its_end() {
+        // Two gradients, the first planned to drop after the second; the second's bytes a
+        // temporary's after it, the first's another's after it.
+        let rec = |bytes, end, k| matched(bytes, end, k);
+        let dropped = [
+            rec(1024, 7, 0),
+            rec(256, 4, 1),
+            rec(256, 3, 2),
+            rec(256, 5, 3),
+            rec(256, 7, 4),
+            rec(256, 7, 5),
+            rec(256, 7, 6),
+        ];
+        let held = [false, true, true, false, false, false, false];
+        let mut l = plan_held(&dropped, None, &held);
+        assert_eq!(
+            l.range(3),
+            l.range(2),
+            "the temporary takes the second's bytes"
+        );
+        assert_eq!(l.range(4), l.range(1), "the next takes the first's");
+        // A step that keeps both meets the second past its end first, while the first is not
+        // yet: the rest is placed around both, through the step.
+        for (k, size) in [(0, 1024), (1, 256), (2, 256)] {
+            serve_next(&mut l, size, k);
+        }
+        assert_eq!(l.next(256, 3), (Serve::Diverged, 3));
+        assert!(l.keep_rest(3, &[], usize::MAX).is_some());
+        let meets = |a: std::ops::Range<usize>, b: std::ops::Range<usize>| {
+            a.start < b.end && b.start < a.end
+        };
+        for k in 3..7 {
+            assert!(
+                !meets(l.range(k), l.range(1)) && !meets(l.range(k), l.range(2)),
+                "position {k} placed over a gradient kept"
+            );
+        }
     }
 
     /// A micro-batch's step: an activation, two gradients with temporaries after each, and a

@@ -210,9 +210,10 @@
 //!   skipped the first optimizer steps), kept for good, and gradients accumulated over
 //!   micro-batches (made by the first, kept to the last); the steps after follow the plan placed
 //!   around them rather than an earlier plan whose positions they would block. The next
-//!   micro-batches make the same gradients, add them in and drop them: those positions are
-//!   *held over*, served in the block in both kinds of step (the first micro-batch, which keeps
-//!   them, places the rest of its step again around them), not from a device block each.
+//!   micro-batches make the same gradients, add them in and drop them (the last then steps the
+//!   optimizer): those positions are *held over*, served in the block in every kind of step
+//!   (the first micro-batch, which keeps them, places the rest of its step again around them),
+//!   not from a device block each.
 //! * **A step larger than its plan, of another kind** (a training loop's evaluation step on a
 //!   larger batch, in the training step's scope: it begins as the training step larger, with no
 //!   backward pass after). A plan scaled for a step takes the block as it is and grows it only

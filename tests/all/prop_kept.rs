@@ -17,8 +17,9 @@
 //! A third kind accumulates: steps of the same arrays in cycles, each array a gradient after
 //! some of them; the first step of a cycle keeps its gradients, and the cycle's last drops them
 //! at a random point (some on another thread); the others make the same gradients and drop each
-//! at once (added in). Its positions are held over, and its first steps, which keep them, place
-//! their rest again around them.
+//! at once (added in); the last may make more arrays after them (an optimizer's step). Its
+//! positions are held over, and its first steps, which keep them, place their rest again around
+//! them.
 //!
 //! `PROPTEST_CASES` sets the number of loops (default [`DEFAULT_CASES`]).
 
@@ -133,8 +134,9 @@ fn growing_loop() -> impl Strategy<Value = Vec<Step>> {
 /// A loop of gradients accumulated over `cycle` steps a cycle (see the module docs), `cycles`
 /// times: each step's large arrays of `rows` (`window` alive at once), a gradient of `grads[i]`
 /// rows made after its i-th, where it has one; the kept gradients dropped after `drop_at`
-/// arrays of a cycle's last step, every `send`th on the helper thread; `event` midway through
-/// one step of the loop.
+/// arrays of a cycle's last step, every `send`th on the helper thread, which then makes `tail`
+/// more (an optimizer's step: the step longer than the others); `event` midway through one step
+/// of the loop.
 #[derive(Clone, Debug)]
 struct Accumulating {
     rows: Vec<usize>,
@@ -144,6 +146,7 @@ struct Accumulating {
     cycles: usize,
     drop_at: usize,
     send: usize,
+    tail: usize,
     event: Option<(usize, usize, Event)>,
 }
 
@@ -164,10 +167,11 @@ fn accumulating() -> impl Strategy<Value = Accumulating> {
         2..6usize,
         0..10usize,
         1..4usize,
+        0..3usize,
         event,
     )
         .prop_map(
-            |(arrays, window, cycle, cycles, drop_at, send, event)| Accumulating {
+            |(arrays, window, cycle, cycles, drop_at, send, tail, event)| Accumulating {
                 rows: arrays.iter().map(|a| a.0).collect(),
                 grads: arrays.iter().map(|a| a.1).collect(),
                 window,
@@ -175,6 +179,7 @@ fn accumulating() -> impl Strategy<Value = Accumulating> {
                 cycles,
                 drop_at,
                 send,
+                tail,
                 event,
             },
         )
@@ -222,6 +227,10 @@ fn accumulate(a: &Accumulating, helper: &Helper) {
                 }
             }
             while let Some(id) = window.pop() {
+                live.drop(id);
+            }
+            for _ in 0..if last { a.tail } else { 0 } {
+                let id = live.alloc(Dt::F32, &[a.rows[0], 256]);
                 live.drop(id);
             }
         }

@@ -564,9 +564,8 @@ impl Layout {
     /// ([`GREW_IN_A_ROW`] plans or more in a row), gets room for its growth to go on, as long
     /// as that room is small beside `high`, the most the cache has held ([`growth_ahead`]).
     ///
-    /// The allocations `held_over` says are placed, not apart ([`Layout::held_over`]): one the
-    /// step kept past its end at the lifetime `old` gave its position (to the step's end, with
-    /// no `old`), the others at their own.
+    /// The allocations `held_over` gives an end are placed, not apart, to that end
+    /// ([`Layout::held_over`]: for one the step kept past its end, the plan before's).
     ///
     /// A step aligned with `old` in which at most a [`MOVED_AT_MOST`]th of the positions changed
     /// (their size or planned end) keeps the others at their offsets in `old`, and only those
@@ -585,7 +584,7 @@ impl Layout {
         hint: &std::cell::Cell<planner::Hint>,
         room: usize,
         high: usize,
-        held_over: &[bool],
+        held_over: &[Option<u32>],
     ) -> Layout {
         let n = record.len() as u32;
         // The same step with other sizes (a batch or a sequence of another length): its k-th
@@ -621,7 +620,8 @@ impl Layout {
                 let matched = old.and_then(|o| o.spots.get(r.planned as usize));
                 let was = matched
                     .filter(|s| !s.apart && (aligned_with.is_some() || near(s.size, r.bytes)));
-                let held = held_over.get(k) == Some(&true);
+                let held_to = held_over.get(k).copied().flatten();
+                let held = held_to.is_some();
                 let was = was.or(matched.filter(|_| held));
                 let apart = r.end == OPEN && !held;
                 let recurs =
@@ -638,10 +638,10 @@ impl Layout {
                     },
                     // Kept past the step, one held over lives as the plan before placed it:
                     // a step that keeps it places its rest again ([`Layout::keep_rest`]).
-                    end: match (apart, held && r.end == OPEN) {
+                    end: match (apart, held_to) {
                         (true, _) => n,
-                        (false, true) => matched.map_or(n, |s| s.end.min(n)),
-                        (false, false) => r.end.min(n),
+                        (false, Some(end)) => end.min(n),
+                        (false, None) => r.end.min(n),
                     },
                     apart,
                     past: if recurs {
@@ -723,24 +723,33 @@ impl Layout {
         }
     }
 
-    /// Which allocations of `record`, a step aligned with this plan, the next plan holds over,
-    /// within `budget` ([`HeldOver`]): each that outlived the step at a position this plan
-    /// placed (its array pinned in the block now), or dropped within it at a position this plan
-    /// held over or had outlive its step; none when the step is not aligned with the plan.
-    pub(super) fn held_over(&self, record: &[Rec], mut budget: HeldOver) -> Vec<bool> {
-        if !self.aligned(record) {
+    /// Which allocations of `record` the next plan holds over, within `budget` ([`HeldOver`]),
+    /// each with the end it is planned to drop before: each that outlived the step at a position
+    /// this plan placed (its array pinned in the block now; the position's end), or dropped
+    /// within it at a position this plan held over or had outlive its step (its own end); none
+    /// when the step and the plan are not aligned as far as both go (the k-th allocation at
+    /// the k-th position: one may be longer, an optimizer's step after the backward pass), or
+    /// the step outgrew a position there (a step of other sizes, whose arrays kept past it are
+    /// another kind's: a decoder's keys and values of the encoder's output).
+    pub(super) fn held_over(&self, record: &[Rec], mut budget: HeldOver) -> Vec<Option<u32>> {
+        let common = record.len().min(self.spots.len());
+        let fits = record
+            .iter()
+            .zip(&self.spots)
+            .all(|(r, s)| r.bytes <= s.size);
+        if !aligned_so_far(&record[..common]) || !fits {
             return Vec::new();
         }
         record
             .iter()
             .zip(&self.spots)
             .map(|(r, s)| {
-                let held = if r.end == OPEN {
-                    s.placed()
+                let end = if r.end == OPEN {
+                    s.placed().then_some(s.end)
                 } else {
-                    s.held_over() || s.is_state()
+                    (s.held_over() || s.is_state()).then_some(r.end)
                 };
-                held && budget.take(r.bytes)
+                end.filter(|_| budget.take(r.bytes))
             })
             .collect()
     }
@@ -2459,7 +2468,7 @@ mod tests {
             rec(256, 7, 5),
             rec(256, 7, 6),
         ];
-        let held = [false, true, true, false, false, false, false];
+        let held = [None, Some(4), Some(3), None, None, None, None];
         let mut l = plan_held(&dropped, None, &held);
         assert_eq!(
             l.range(3),
@@ -2513,14 +2522,14 @@ mod tests {
         assert!(first.is_apart(1) && first.is_apart(3));
         let next = micro_batch(false);
         let held = first.held_over(&next, room);
-        assert_eq!(held, [false, true, false, true, false, false]);
+        assert_eq!(held, [None, Some(2), None, Some(4), None, None]);
         let old = plan_held(&next, Some(&first), &held);
         assert!(old.is_held_over(1) && !old.is_apart(1) && old.spots[1].end == 2);
         // The first micro-batch of the next optimizer step keeps them: held over again, placed
         // where the plan before placed them, at its lifetimes.
         let kept = micro_batch(true);
         let held = old.held_over(&kept, room);
-        assert_eq!(held, [false, true, false, true, false, false]);
+        assert_eq!(held, [None, Some(2), None, Some(4), None, None]);
         let mut l = plan_held(&kept, Some(&old), &held);
         assert!(l.is_held_over(3) && !l.is_apart(3) && l.spots[3].end == 4);
         // Nothing is held over past what may be pinned, nor in a step of other allocations.
@@ -2530,9 +2539,19 @@ mod tests {
         };
         assert_eq!(
             old.held_over(&kept, one),
-            [false, true, false, false, false, false]
+            [None, Some(2), None, None, None, None]
         );
-        assert!(old.held_over(&kept[..5], room).is_empty());
+        let shifted: Vec<Rec> = kept
+            .iter()
+            .map(|r| matched(r.bytes, r.end, r.planned + 1))
+            .collect();
+        assert!(old.held_over(&shifted, room).is_empty());
+        // A step longer than the plan (a micro-batch that also steps the optimizer) or shorter
+        // holds over as far as both go.
+        let mut longer = kept.clone();
+        longer.push(rec(512, 7));
+        assert_eq!(old.held_over(&longer, room), held);
+        assert_eq!(old.held_over(&kept[..3], room), held[..3]);
         // A step that keeps the gradients: the first's bytes are a temporary's after its
         // planned end, where the step leaves the plan unless its rest is placed again.
         let a = serve_next(&mut l, 4096, 0);
@@ -2593,7 +2612,7 @@ mod tests {
     }
 
     /// A plan made from `record`, merged with `old`, the allocations `held` held over.
-    fn plan_held(record: &[Rec], old: Option<&Layout>, held: &[bool]) -> Layout {
+    fn plan_held(record: &[Rec], old: Option<&Layout>, held: &[Option<u32>]) -> Layout {
         Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0, 0, held)
     }
 

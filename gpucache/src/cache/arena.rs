@@ -2188,6 +2188,27 @@ impl DeviceArena {
     /// then the gaps of a block a third of the step's size served the rest (29 device
     /// allocations in the step; 4 placed around it).
     fn rest_around(&mut self, st: &Counters, pos: u32) -> bool {
+        let margin = self.margin;
+        self.place_rest(
+            st,
+            |layout, record, pinned| layout.scale_around(record, pos, pinned, margin),
+            Layout::unscale_around,
+        )
+    }
+
+    /// Places the rest of the step again in the plan's block with `place` (given the layout,
+    /// the step's record and the pins' ranges; it returns the bytes the block must hold, or
+    /// `None` with the layout unchanged), the block grown in place if the rest needs more bytes
+    /// (where it can: see [`DeviceArena::grow_block`]), else the layout taken back with `undo`.
+    /// Returns whether it was. Not when the gaps or the tail handed out ranges this step, nor
+    /// when the block was used on another stream. Serves [`DeviceArena::rest_around`] and
+    /// [`DeviceArena::keep_rest`].
+    fn place_rest(
+        &mut self,
+        st: &Counters,
+        place: impl FnOnce(&mut Layout, &[Rec], &[std::ops::Range<usize>]) -> Option<usize>,
+        undo: fn(&mut Layout),
+    ) -> bool {
         let Some(plan) = &mut self.plan else {
             return false;
         };
@@ -2203,15 +2224,12 @@ impl DeviceArena {
         // made at; the tail (it handed nothing out) is past a footprint that may change.
         plan.loosen_views();
         plan.tail = None;
-        let Some(bytes) = plan
-            .layout
-            .scale_around(&self.record, pos, &pinned, self.margin)
-        else {
+        let Some(bytes) = place(&mut plan.layout, &self.record, &pinned) else {
             return false;
         };
         if bytes > plan.block_bytes() && (!plan.grows_now() || !self.grow_block(st, arena, bytes)) {
             if let Some(plan) = &mut self.plan {
-                plan.layout.unscale_around();
+                undo(&mut plan.layout);
             }
             return false;
         }
@@ -2225,44 +2243,28 @@ impl DeviceArena {
     /// [`DeviceArena::grow_block`]). Not when the array is larger than its position, nor when an
     /// array the block's gaps or tail handed out is alive, or another stream used the block.
     fn keep_rest(&mut self, st: &Counters, pos: u32, size: usize) -> bool {
-        let Some(plan) = &mut self.plan else {
+        let Some(plan) = &self.plan else {
             return false;
         };
-        if pos == NONE
-            || plan.block.is_none()
-            || plan.tainted
-            || plan.gaps.is_some()
-            || plan.out() != 0
-            || size > plan.layout.range(pos).len()
-            || !plan.layout.keeps_held_over()
-        {
+        if pos == NONE || size > plan.layout.range(pos).len() || !plan.layout.keeps_held_over() {
             return false;
         }
-        let pinned: Vec<std::ops::Range<usize>> =
-            plan.pins.iter().map(|p| p.range.clone()).collect();
-        // The positions may move: their idle views go loose first, at the offsets they were
-        // made at; the tail (it handed nothing out) is past a footprint that may change.
-        plan.loosen_views();
-        plan.tail = None;
-        let (block, grows) = (plan.block_bytes(), plan.grows_now());
-        let most = if grows {
+        let block = plan.block_bytes();
+        let most = if plan.grows_now() {
             block.saturating_add(block / KEPT_REST_GROWTH)
         } else {
             block
         };
-        let (Some(bytes), Some(arena)) = (plan.layout.keep_rest(pos, &pinned, most), plan.block)
-        else {
-            return false;
-        };
-        if bytes > block && !self.grow_block(st, arena, bytes) {
-            if let Some(plan) = &mut self.plan {
-                plan.layout.unkeep_rest();
-            }
-            return false;
-        }
+        let kept = self.place_rest(
+            st,
+            |layout, _, pinned| layout.keep_rest(pos, pinned, most),
+            Layout::unkeep_rest,
+        );
         #[cfg(test)]
-        RESTS_KEPT.with(|n| n.set(n.get() + 1));
-        true
+        if kept {
+            RESTS_KEPT.with(|n| n.set(n.get() + 1));
+        }
+        kept
     }
 
     /// Whether a step that outgrew its plan, held long in its block, does not try to place the

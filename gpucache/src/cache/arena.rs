@@ -338,7 +338,6 @@ pub(super) mod online;
 pub(super) mod room;
 pub(super) mod slab;
 
-use std::cell::Cell;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::*;
@@ -1347,7 +1346,7 @@ impl DeviceArena {
             spares: Vec::new(),
             given_up: None,
             high: 0,
-            planner_hint: Cell::default(),
+            planner: Default::default(),
             awaiting: None,
             unplanned: [0; device::UNPLANNED],
             reordered: Vec::new(),
@@ -2191,7 +2190,9 @@ impl DeviceArena {
         let margin = self.margin;
         self.place_rest(
             st,
-            |layout, record, pinned| layout.scale_around(record, pos, pinned, margin),
+            |layout, record, pinned, learned| {
+                layout.scale_around(record, pos, pinned, margin, learned)
+            },
             Layout::unscale_around,
         )
     }
@@ -2206,7 +2207,12 @@ impl DeviceArena {
     fn place_rest(
         &mut self,
         st: &Counters,
-        place: impl FnOnce(&mut Layout, &[Rec], &[std::ops::Range<usize>]) -> Option<usize>,
+        place: impl FnOnce(
+            &mut Layout,
+            &[Rec],
+            &[std::ops::Range<usize>],
+            &crate::planner::Learned,
+        ) -> Option<usize>,
         undo: fn(&mut Layout),
     ) -> bool {
         let Some(plan) = &mut self.plan else {
@@ -2224,7 +2230,7 @@ impl DeviceArena {
         // made at; the tail (it handed nothing out) is past a footprint that may change.
         plan.loosen_views();
         plan.tail = None;
-        let Some(bytes) = place(&mut plan.layout, &self.record, &pinned) else {
+        let Some(bytes) = place(&mut plan.layout, &self.record, &pinned, &self.planner) else {
             return false;
         };
         if bytes > plan.block_bytes() && (!plan.grows_now() || !self.grow_block(st, arena, bytes)) {
@@ -2257,7 +2263,7 @@ impl DeviceArena {
         };
         let kept = self.place_rest(
             st,
-            |layout, _, pinned| layout.keep_rest(pos, pinned, most),
+            |layout, _, pinned, learned| layout.keep_rest(pos, pinned, most, learned),
             Layout::unkeep_rest,
         );
         #[cfg(test)]
@@ -2851,13 +2857,13 @@ impl DeviceArena {
                 let budget = self.held_over(p, pins.as_deref());
                 p.layout.held_over(&self.record, budget)
             });
-            let (hint, high) = (&self.planner_hint, self.high);
+            let (learned, high) = (&self.planner, self.high);
             let plan_step = |merged: Option<&Layout>, taken: &[std::ops::Range<usize>]| {
                 let layout = Layout::new_around(
                     &self.record,
                     merged,
                     taken,
-                    hint,
+                    learned,
                     block_bytes,
                     high,
                     &held_over,
@@ -2875,7 +2881,7 @@ impl DeviceArena {
                                 &self.record,
                                 None,
                                 taken,
-                                hint,
+                                learned,
                                 block_bytes,
                                 high,
                                 &held_over,
@@ -3863,7 +3869,7 @@ impl CacheState {
             a.firsts = Firsts::None;
             a.margin = Margin::default();
             // Nor does the planner's choice of its first way to place a step's arrays.
-            a.planner_hint.take();
+            a.planner.forget();
         }
         self.live += retired;
     }

@@ -2,7 +2,6 @@
 //! the spares (data only; the `arena` module holds what is done with it). It sits below the
 //! cache state, which holds one [`Arenas`].
 
-use std::cell::Cell;
 use std::sync::Arc;
 
 use super::block::BlockPtr;
@@ -15,7 +14,7 @@ use super::slab::Slab;
 use crate::Device;
 use crate::backend::Block;
 use crate::cache::counters::GaugeIx;
-use crate::planner::Hint;
+use crate::planner::Learned;
 use crate::trace::record::CellName;
 
 /// A plan of one device: its layout and its block.
@@ -190,9 +189,10 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) high: usize,
     /// What the planner learned from this device's last plans: the way that came within a 32nd
     /// of the peak live bytes, made first, and the way that gave the plans when none did, made
-    /// alone once it won a few in a row (see [`crate::planner::greedy_by_size_from`]). A
-    /// model's steps are planned alike.
-    pub(super) planner_hint: Cell<Hint>,
+    /// alone once it won a few in a row (see [`crate::planner::greedy_by_size_from`]), and its
+    /// last plans with what they were placed for ([`Learned::plan`]). A model's steps are
+    /// planned alike.
+    pub(super) planner: Learned,
     pub(super) awaiting: Option<Awaiting>,
     /// The [signatures](super::layout::signature) of the last steps that left their plan and
     /// were not planned again (see `DeviceArena::end_step`), the newest first.

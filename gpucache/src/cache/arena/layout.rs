@@ -547,7 +547,7 @@ impl Layout {
     /// [`Layout::new_around`] with no bytes taken (tests).
     #[cfg(test)]
     pub(super) fn new(record: &[Rec], old: Option<&Layout>) -> Layout {
-        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0, 0, &[])
+        Layout::new_around(record, old, &[], &Default::default(), 0, 0, &[])
     }
 
     /// The plan of a step recorded as `record`, for a block whose byte ranges `taken` hold
@@ -556,9 +556,9 @@ impl Layout {
     /// takes the larger of the two sizes, so that both steps fit, when they are within a factor
     /// of two (measured on the real logs: merging positions whose sizes differ more, where the
     /// two steps' orders differ, held 1.12x and 1.49x of the peak live bytes where taking the new
-    /// step's size held 1.07x and 1.21x). The planner takes `hint`, what it learned from the
-    /// device's last plans, and `room`, the bytes of the block the cache holds, and updates the
-    /// hint ([`planner::greedy_by_size_from`]).
+    /// step's size held 1.07x and 1.21x). The planner takes `learned`, what it learned from the
+    /// device's last plans (its last plans among them, given again for the same inputs), and
+    /// `room`, the bytes of the block the cache holds ([`planner::Learned::plan`]).
     ///
     /// A step aligned with `old` that outgrew it, made from such a step too, and so on
     /// ([`GREW_IN_A_ROW`] plans or more in a row), gets room for its growth to go on, as long
@@ -581,7 +581,7 @@ impl Layout {
         record: &[Rec],
         old: Option<&Layout>,
         taken: &[std::ops::Range<usize>],
-        hint: &std::cell::Cell<planner::Hint>,
+        learned: &planner::Learned,
         room: usize,
         high: usize,
         held_over: &[Option<u32>],
@@ -672,7 +672,7 @@ impl Layout {
             .filter(|o| !o.one_step())
             .and_then(|o| o.kept_in(&spots, &placed, taken))
             .and_then(|kept| planner::around_kept(&lives, &kept, taken, high / KEPT_SLACK))
-            .unwrap_or_else(|| planner::greedy_by_size_from(&lives, taken, hint, room));
+            .unwrap_or_else(|| learned.plan(&lives, taken, room));
         for (&k, offset) in placed.iter().zip(plan.offsets) {
             spots[k as usize].offset = offset;
         }
@@ -1616,6 +1616,7 @@ impl Layout {
         from: u32,
         pinned: &[std::ops::Range<usize>],
         most: usize,
+        learned: &planner::Learned,
     ) -> Option<usize> {
         if self.one_step() {
             return None;
@@ -1637,7 +1638,7 @@ impl Layout {
                 }
             })
             .collect();
-        let plan = planner::greedy_by_size_among(&lives, &placed);
+        let plan = learned.plan_among(&lives, &placed);
         if plan.footprint > most {
             return None;
         }
@@ -1674,11 +1675,12 @@ impl Layout {
         from: u32,
         pinned: &[std::ops::Range<usize>],
         margin: Margin,
+        learned: &planner::Learned,
     ) -> Option<usize> {
         let placed = self.alive_before(from, pinned, false)?;
         let rest = self.scale_whole(record, from, margin)?;
         let lives = self.lives_of(&rest);
-        let plan = planner::greedy_by_size_among(&lives, &placed);
+        let plan = learned.plan_among(&lives, &placed);
         if plan.footprint > self.footprint {
             // Around the arrays alive, the rest needs more than the plan scaled whole, which
             // would hold the step in a block of its own once they drop (Keypoint R-CNN's larger
@@ -2242,7 +2244,7 @@ mod tests {
         let record = [matched(4096, OPEN, 0), matched(1280, OPEN, 1)];
         let whole_before = l.footprint;
         let bytes = l
-            .scale_around(&record, 1, &[], Margin::default())
+            .scale_around(&record, 1, &[], Margin::default(), &Default::default())
             .expect("placed around the input");
         assert!(l.one_step());
         assert_eq!(l.spot(0), input, "the input stays where its array is");
@@ -2269,7 +2271,7 @@ mod tests {
         undone.next(1280, 1);
         assert!(
             undone
-                .scale_around(&record, 1, &[], Margin::default())
+                .scale_around(&record, 1, &[], Margin::default(), &Default::default())
                 .is_some()
         );
         undone.unscale_around();
@@ -2313,7 +2315,10 @@ mod tests {
             matched(1024, OPEN, 2),
             matched(1536, OPEN, 3),
         ];
-        assert!(l.scale_around(&record, 3, &[], Margin::default()).is_some());
+        assert!(
+            l.scale_around(&record, 3, &[], Margin::default(), &Default::default())
+                .is_some()
+        );
         assert!(l.one_step());
         // The rest may take the dropped array's bytes, though the two are planned to meet.
         let meets = |l: &Layout, i: u32, j: u32| {
@@ -2341,7 +2346,10 @@ mod tests {
         l.end_step();
         let before: Vec<_> = (0..6).map(|k| l.spot(k)).collect();
         let record = [matched(2048, OPEN, 1)];
-        assert_eq!(l.scale_around(&record, 1, &[], Margin::default()), None);
+        assert_eq!(
+            l.scale_around(&record, 1, &[], Margin::default(), &Default::default()),
+            None
+        );
         assert!(!l.one_step());
         assert_eq!((0..6).map(|k| l.spot(k)).collect::<Vec<_>>(), before);
     }
@@ -2482,7 +2490,10 @@ mod tests {
             serve_next(&mut l, size, k);
         }
         assert_eq!(l.next(256, 3), (Serve::Diverged, 3));
-        assert!(l.keep_rest(3, &[], usize::MAX).is_some());
+        assert!(
+            l.keep_rest(3, &[], usize::MAX, &Default::default())
+                .is_some()
+        );
         let meets = |a: std::ops::Range<usize>, b: std::ops::Range<usize>| {
             a.start < b.end && b.start < a.end
         };
@@ -2560,7 +2571,10 @@ mod tests {
         let (got, pos) = l.next(1024, 2);
         assert_eq!((got, pos), (Serve::Diverged, 2));
         assert!(l.keeps_held_over());
-        assert!(l.keep_rest(2, &[], usize::MAX).is_some());
+        assert!(
+            l.keep_rest(2, &[], usize::MAX, &Default::default())
+                .is_some()
+        );
         assert!(l.one_step());
         let Serve::At(t) = l.serve(2, 1024, 2) else {
             panic!("the rest placed again does not serve its first position");
@@ -2613,7 +2627,7 @@ mod tests {
 
     /// A plan made from `record`, merged with `old`, the allocations `held` held over.
     fn plan_held(record: &[Rec], old: Option<&Layout>, held: &[Option<u32>]) -> Layout {
-        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0, 0, held)
+        Layout::new_around(record, old, &[], &Default::default(), 0, 0, held)
     }
 
     /// Serves the next allocation, `size` bytes at tick `rec`, at its position: its offset.
@@ -2626,7 +2640,7 @@ mod tests {
 
     /// A plan made in the `new_around` way, from `record`, merged with `old`.
     fn plan(record: &[Rec], old: Option<&Layout>, high: usize) -> Layout {
-        Layout::new_around(record, old, &[], &std::cell::Cell::default(), 0, high, &[])
+        Layout::new_around(record, old, &[], &Default::default(), 0, high, &[])
     }
 
     #[test]

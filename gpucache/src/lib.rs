@@ -205,11 +205,14 @@
 //!   a step never holds two blocks for the sake of a few bytes. So under larger ones, up to half
 //!   a block that can grow (CUDA's), when the step left its plan and needed at least half the
 //!   block itself (a detector's masks, kept by the caller into the next step): the block grows
-//!   in place around them. And under many small ones, up to 512 holding at most a quarter of a
-//!   block that can grow: an optimizer's state made after the first step (a gradient scaler
-//!   skipped the first optimizer steps), kept for good, and gradients accumulated over
-//!   micro-batches (made by the first, kept to the last); the steps after follow the plan placed
-//!   around them rather than an earlier plan whose positions they would block. The next
+//!   in place around them. And under many small ones, up to 512, those not kept before holding
+//!   at most half of a block that can grow: an optimizer's state made after the first step (a
+//!   gradient scaler skipped the first optimizer steps), kept for good, and gradients
+//!   accumulated over micro-batches (made by the first, kept to the last); whatever their share
+//!   when they were made past the plan's end by a step that followed it there (an optimizer's
+//!   state made at the first optimizer step after micro-batches). The steps after follow the
+//!   plan placed around them rather than an earlier plan whose positions they would block. The
+//!   next
 //!   micro-batches make the same gradients, add them in and drop them (the last then steps the
 //!   optimizer): those positions are *held over*, served in the block in every kind of step
 //!   (the first micro-batch, which keeps them, places the rest of its step again around them),

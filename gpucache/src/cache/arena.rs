@@ -403,19 +403,31 @@ const MAX_PINS: usize = 32;
 /// state of a layer that layer drop had skipped until then, 32 arrays, 57 MB of an 800 MiB
 /// block). Retired under them, the block stayed beside the next plan's block for good, most of
 /// it unused: 1.866x and 1.320x of those logs' peak live bytes; kept (and the steps after
-/// following the plan placed around them: [`DeviceArena::choose_plan`]), 1.024x and 1.249x. Not in
-/// a block that cannot grow, whose next plan is placed as if they were not there, with every
-/// position over them checked against each at every step (see [`Layout::block`]).
+/// following the plan placed around them: [`DeviceArena::choose_plan`]), 1.024x and 1.249x.
+/// Whatever their share when every array pinned anew was made past the plan's end by a step
+/// that followed the plan to there: AdamW's state, made at the first optimizer step after
+/// micro-batches (GPT-2 on four: 296 arrays, 949 MiB of a 1.7 GiB block, in one range), the
+/// block grown in place to the next plan around it: 1.619x -> 1.038x of the log's peak live
+/// bytes (not so, with pins up to half a block, 1.282x). A prompt step whose keys and values
+/// are kept for the request (BART's beam search: 69 arrays, 75% of its block) did not follow the
+/// plan of the step before; kept under them, its decoding steps' arrays made apart lost the
+/// room the retired block gave them (1.190x -> 2.467x). Not in a block that cannot grow, whose
+/// next plan is placed as if they were not there, with every position over them checked against
+/// each at every step (see [`Layout::block`]).
 const MAX_SMALL_PINS: usize = 512;
 
-/// See [`MAX_SMALL_PINS`]. A quarter: gradients accumulated over micro-batches, made by the
-/// first micro-batch of each optimizer step and kept to its last, beside the optimizer's state,
-/// hold two parameters' worth (ResNet-50 on micro-batches of 16: 322 arrays, 195 MiB of a
-/// 1.4 GiB block). With an eighth, the block was retired under them at each optimizer step and
-/// the next plan's block made beside it: 1.892x of the log's peak live bytes (2.786x at worst
-/// in shuffled orders); 1.033x so (1.089x at worst), but with device allocations in the steps
-/// that follow another kind's plan (see ARCHITECTURE.md, "Not done yet").
-const SMALL_PINS_SHARE: usize = 4;
+/// See [`MAX_SMALL_PINS`]: the share of the block that arrays pinned anew may hold (those
+/// pinned before or at positions held over, the block keeps already). A half: gradients
+/// accumulated over micro-batches, made by the first micro-batch of each optimizer step and kept
+/// to its last, beside the optimizer's state, hold a parameters' worth, and more than a quarter
+/// of BERT-base's block on dynamic padding (201 arrays, 418 MiB of a 1.5 GiB block), which was
+/// retired under them and held beside the next plan's block: 1.456x of the log's peak live
+/// bytes, 1.272x at a half (and 1.464x -> 1.276x twenty passes longer in its recorded order).
+/// With an eighth, ResNet-50's on micro-batches of 16 (322 arrays, 195 MiB of a 1.4 GiB block)
+/// retired it at each optimizer step: 1.892x (2.786x at worst in shuffled orders); 1.033x at a
+/// quarter. An optimizer's state made past the plan's end, whatever its share, is pinned too
+/// (see [`DeviceArena::pins_for`]).
+const SMALL_PINS_SHARE: usize = 2;
 
 /// A scope is served online only after its [`online::Shadow`] has measured this many steps.
 const ONLINE_AFTER: u32 = 4;
@@ -2224,8 +2236,7 @@ impl DeviceArena {
         if plan.tainted || plan.gaps.is_some() || plan.out() != 0 {
             return false;
         }
-        let pinned: Vec<std::ops::Range<usize>> =
-            plan.pins.iter().map(|p| p.range.clone()).collect();
+        let pinned = crate::planner::merged(plan.pins.iter().map(|p| p.range.clone()));
         // The positions may move: their idle views go loose first, at the offsets they were
         // made at; the tail (it handed nothing out) is past a footprint that may change.
         plan.loosen_views();
@@ -2436,7 +2447,7 @@ impl DeviceArena {
     /// The arrays of `plan`'s block alive at the end of a step that is planned again, as pins
     /// for the next plan of the block, when every one is known (served this step, at a position
     /// or from the block's gaps, or pinned before), they are at most [`MAX_PINS`] (or
-    /// [`MAX_SMALL_PINS`], see there), and those not pinned before hold at most a
+    /// [`MAX_SMALL_PINS`], see there), and those not pinned before nor held over hold at most a
     /// [`PIN_SHARE`]th of the block: a training loop's loss, kept until the next step's
     /// replaces it (in a scope served online: at most [`MAX_ONLINE_PINS`], whatever their
     /// bytes). Empty when no array uses the block. `None` otherwise (a position
@@ -2482,6 +2493,15 @@ impl DeviceArena {
             .filter(|(pos, ..)| plan.layout.is_held_over(*pos))
             .map(|(_, rec, _)| self.record.get(*rec as usize).map_or(0, |r| r.bytes))
             .sum::<usize>();
+        // Every array pinned anew made past the plan's last position by a step that followed
+        // the plan to there: an optimizer's state, made at its first step after micro-batches.
+        let len = plan.layout.len();
+        let made_past_plan = self.record.len() > len
+            && layout::aligned_so_far(&self.record[..len])
+            && positions
+                .iter()
+                .all(|&(pos, ..)| plan.layout.is_held_over(pos))
+            && plan.handed_out().all(|(rec, _)| rec as usize >= len);
         let served = plan
             .handed_out()
             .map(|(rec, offset)| (gap_slot(rec), rec, offset));
@@ -2498,22 +2518,28 @@ impl DeviceArena {
         }
         let bytes: usize = pins.iter().map(|p| p.range.len()).sum();
         let block = counts.block.bytes();
-        // Many only when they hold little of a block that can grow ([`MAX_SMALL_PINS`]); and
-        // the budget of a [`PIN_SHARE`]th is for the arrays pinned this step: those pinned by
-        // an earlier plan the block keeps already, and retired under them it would stay beside
-        // the next plan's block until they drop (a Whisper-style decoder replayed in shuffled
-        // orders: 2-4 device allocations in the second half of each of twelve runs when they
-        // counted; none so, though 26 after the second step instead of 13-14).
-        let few = views <= most || bytes <= block / SMALL_PINS_SHARE;
-        let small = bytes - kept <= block / PIN_SHARE;
+        // Many only when those pinned anew hold little of a block that can grow, or were made
+        // past the plan's end ([`MAX_SMALL_PINS`]); and the budget of a [`PIN_SHARE`]th is
+        // for the arrays pinned anew too: those pinned by an earlier plan, or at positions held
+        // over, the block keeps already, and retired under them it would stay beside the next
+        // plan's block until they drop (a Whisper-style decoder replayed in shuffled orders:
+        // 2-4 device allocations in the second half of each of twelve runs when they counted;
+        // none so, though 26 after the second step instead of 13-14).
+        let new = bytes - kept;
+        let few = views <= most || new <= block / SMALL_PINS_SHARE || grows && made_past_plan;
+        let small = new <= block / PIN_SHARE;
         (few && (self.online || small || grows && self.keeps_block_under(bytes, block)))
             .then_some(pins)
     }
 
     /// What the next plan, made from the step that just ended on `old`'s block with `pins`
-    /// pinned, may hold over ([`HeldOver`]): as much as a block's pins may hold, less those of
-    /// earlier steps; nothing when the block cannot keep its arrays (it has none, or those
-    /// alive in it cannot all be pinned: held over again, they would retire it every time).
+    /// pinned, may hold over ([`HeldOver`]): as many arrays as a block's pins may be, less those
+    /// of earlier steps, and the share of the block that pins made anew may hold (those of
+    /// earlier steps, which the block keeps already, do not count against it: an optimizer's
+    /// state, pinned since its first step, and the gradients held over beside it hold more than
+    /// half of GPT-2's block); nothing when the block cannot keep its arrays (it has none, or
+    /// those alive in it cannot all be pinned: held over again, they would retire it every
+    /// time).
     fn held_over(&self, old: &Plan, pins: Option<&[Pin]>) -> HeldOver {
         let (Some(block), Some(pins)) = (old.block, pins) else {
             return HeldOver::default();
@@ -2525,11 +2551,10 @@ impl DeviceArena {
         } else {
             (MAX_PINS, PIN_SHARE)
         };
-        let earlier = pins.iter().filter(|p| p.step != self.step);
-        let (n, bytes) = earlier.fold((0, 0), |(n, b), p| (n + 1, b + p.range.len()));
+        let earlier = pins.iter().filter(|p| p.step != self.step).count();
         HeldOver {
-            count: count.saturating_sub(n),
-            bytes: (counts.block.bytes() / share).saturating_sub(bytes),
+            count: count.saturating_sub(earlier),
+            bytes: counts.block.bytes() / share,
         }
     }
 
@@ -2849,8 +2874,7 @@ impl DeviceArena {
             // Arrays still alive in the old plan's block, if it may keep them: the new plan is
             // placed around them, to keep the block.
             let pins = old.as_ref().and_then(|p| self.pins_for(p));
-            let pinned: Vec<std::ops::Range<usize>> =
-                pins.iter().flatten().map(|p| p.range.clone()).collect();
+            let pinned = crate::planner::merged(pins.iter().flatten().map(|p| p.range.clone()));
             // The block the plans may fit in, with no more memory.
             let block_bytes = old.as_ref().map_or(0, Plan::block_bytes);
             let held_over = old.as_ref().map_or_else(Vec::new, |p| {

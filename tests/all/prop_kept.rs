@@ -17,9 +17,10 @@
 //! A third kind accumulates: steps of the same arrays in cycles, each array a gradient after
 //! some of them; the first step of a cycle keeps its gradients, and the cycle's last drops them
 //! at a random point (some on another thread); the others make the same gradients and drop each
-//! at once (added in); the last may make more arrays after them (an optimizer's step). Its
-//! positions are held over, and its first steps, which keep them, place their rest again around
-//! them.
+//! at once (added in); the last may make more arrays after them (an optimizer's step), and the
+//! first cycle's last an optimizer's state, kept to the end (up to 47 arrays: the state made
+//! past the plan, which pins may hold whatever its share). Its positions are held over, and its
+//! first steps, which keep them, place their rest again around them.
 //!
 //! `PROPTEST_CASES` sets the number of loops (default [`DEFAULT_CASES`]).
 
@@ -135,7 +136,9 @@ fn growing_loop() -> impl Strategy<Value = Vec<Step>> {
 /// times: each step's large arrays of `rows` (`window` alive at once), a gradient of `grads[i]`
 /// rows made after its i-th, where it has one; the kept gradients dropped after `drop_at`
 /// arrays of a cycle's last step, every `send`th on the helper thread, which then makes `tail`
-/// more (an optimizer's step: the step longer than the others); `event` midway through one step
+/// more (an optimizer's step: the step longer than the others), and at the first cycle's last
+/// step an optimizer's state past them, `state.0` arrays of `state.1` rows kept to the loop's
+/// end (every last step after makes a temporary beside each); `event` midway through one step
 /// of the loop.
 #[derive(Clone, Debug)]
 struct Accumulating {
@@ -147,6 +150,7 @@ struct Accumulating {
     drop_at: usize,
     send: usize,
     tail: usize,
+    state: (usize, usize),
     event: Option<(usize, usize, Event)>,
 }
 
@@ -168,10 +172,14 @@ fn accumulating() -> impl Strategy<Value = Accumulating> {
         0..10usize,
         1..4usize,
         0..3usize,
+        (
+            prop_oneof![Just(0usize), 1..4usize, 30..48usize],
+            1..40usize,
+        ),
         event,
     )
         .prop_map(
-            |(arrays, window, cycle, cycles, drop_at, send, tail, event)| Accumulating {
+            |(arrays, window, cycle, cycles, drop_at, send, tail, state, event)| Accumulating {
                 rows: arrays.iter().map(|a| a.0).collect(),
                 grads: arrays.iter().map(|a| a.1).collect(),
                 window,
@@ -180,6 +188,7 @@ fn accumulating() -> impl Strategy<Value = Accumulating> {
                 drop_at,
                 send,
                 tail,
+                state,
                 event,
             },
         )
@@ -189,6 +198,7 @@ fn accumulating() -> impl Strategy<Value = Accumulating> {
 fn accumulate(a: &Accumulating, helper: &Helper) {
     let mut live = Live::default();
     let mut kept: Vec<u64> = Vec::new();
+    let mut state: Vec<u64> = Vec::new();
     for k in 0..a.cycle * a.cycles {
         let (first, last) = (k % a.cycle == 0, k % a.cycle == a.cycle - 1);
         {
@@ -233,10 +243,18 @@ fn accumulate(a: &Accumulating, helper: &Helper) {
                 let id = live.alloc(Dt::F32, &[a.rows[0], 256]);
                 live.drop(id);
             }
+            if last && k + 1 == a.cycle {
+                state.extend((0..a.state.0).map(|_| live.alloc(Dt::F32, &[a.state.1, 256])));
+            } else if last {
+                for _ in &state {
+                    let id = live.alloc(Dt::F32, &[a.state.1, 256]);
+                    live.drop(id);
+                }
+            }
         }
         live.check(&format!("after step {k}"));
     }
-    for id in kept {
+    for id in kept.into_iter().chain(state) {
         live.drop(id);
     }
 }

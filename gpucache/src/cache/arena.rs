@@ -2496,7 +2496,8 @@ impl DeviceArena {
         // Every array pinned anew made past the plan's last position by a step that followed
         // the plan to there: an optimizer's state, made at its first step after micro-batches.
         let len = plan.layout.len();
-        let made_past_plan = self.record.len() > len
+        let made_past_plan = len > 0
+            && self.record.len() > len
             && layout::aligned_so_far(&self.record[..len])
             && positions
                 .iter()

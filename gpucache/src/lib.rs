@@ -212,9 +212,8 @@
 //!   when they were made past the plan's end by a step that followed it there (an optimizer's
 //!   state made at the first optimizer step after micro-batches). The steps after follow the
 //!   plan placed around them rather than an earlier plan whose positions they would block. The
-//!   next
-//!   micro-batches make the same gradients, add them in and drop them (the last then steps the
-//!   optimizer): those positions are *held over*, served in the block in every kind of step
+//!   next micro-batches make the same gradients, add them in and drop them (the last then steps
+//!   the optimizer): those positions are *held over*, served in the block in every kind of step
 //!   (the first micro-batch, which keeps them, places the rest of its step again around them),
 //!   not from a device block each.
 //! * **A step larger than its plan, of another kind** (a training loop's evaluation step on a

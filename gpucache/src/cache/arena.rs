@@ -443,7 +443,7 @@ const AROUND_RETRY: u8 = 4;
 
 /// A [`online::Shadow`] that has measured this many steps without the scope going online
 /// stops; the next starts [`SHADOW_STEPS`] steps later, twice as late after each that stopped
-/// so (at most 64 times).
+/// so (at most 64 times), or that put the scope online for a single step.
 const SHADOW_STEPS: u32 = 16;
 
 /// The most drops of earlier steps' arrays a step records for the [`online::Shadow`].
@@ -1371,6 +1371,7 @@ impl DeviceArena {
             firsts: Firsts::None,
             in_doubt: false,
             shadow_misses: 0,
+            online_from: 0,
             margin: Margin::default(),
             rooms: Vec::new(),
         }
@@ -2595,6 +2596,17 @@ impl DeviceArena {
             }
             _ => {
                 self.online = false;
+                if self.step == self.online_from.wrapping_add(1) {
+                    // Online for one step: the arrays it left alive cannot stay where they
+                    // are. A shadow started again at once would put the scope online again
+                    // four steps later, and so on: ViT-S on gradients accumulated with AdamW,
+                    // whose micro-batches end with 304 or 456 arrays alive (its state and
+                    // gradients, more than [`MAX_ONLINE_PINS`]), ran one step in four online
+                    // and the other three beside a shadow, for good. It counts as a shadow that
+                    // held not enough less: the next starts later.
+                    self.shadow_wait = SHADOW_STEPS << self.shadow_misses.min(6);
+                    self.shadow_misses = self.shadow_misses.saturating_add(1);
+                }
                 false
             }
         }
@@ -2676,6 +2688,7 @@ impl DeviceArena {
                 return;
             }
             self.online = true;
+            self.online_from = self.step;
             self.shadow = None;
         } else if shadow.steps() >= SHADOW_STEPS || settled && shadow.steps() >= ONLINE_AFTER {
             // Online serving held not enough less than the plans on these steps: they recur in

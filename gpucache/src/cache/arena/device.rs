@@ -220,8 +220,11 @@ pub(in crate::cache) struct DeviceArena {
     /// around the arrays alive in the block (0: it could, or none was tried), and since then,
     /// how many steps did not try ([`AROUND_RETRY`](super::AROUND_RETRY)).
     pub(super) around_missed: u8,
-    /// How many shadows stopped without the scope going online.
+    /// How many shadows stopped without the scope going online, or with it online for a single
+    /// step.
     pub(super) shadow_misses: u32,
+    /// The step at whose end the scope last went online.
+    pub(super) online_from: u32,
     /// The sizes of the first allocations of the steps since the cache's cold start, while they
     /// are at most two.
     pub(super) firsts: Firsts,

@@ -1817,12 +1817,12 @@ fn unrepeated_step_keeping(
     made
 }
 
-/// A detector's steps as above whose caller keeps 300 small outputs into the next step, more
-/// than an online block keeps where they are: online for one step, the scope is planned again at
-/// its end. A shadow started again at once put it online again four steps later, and so on, for
-/// good (ViT-S on gradients accumulated with AdamW: one step in four online, the other three
-/// beside a shadow, which reads every step's record): now the next shadow starts later, and
-/// later again each time.
+/// A detector's steps as above whose caller keeps 260 small outputs (544 to 800 bytes) into the
+/// next step, more than an online block keeps where they are: online for one step, the scope is
+/// planned again at its end. A shadow started again at once put it online again four steps
+/// later, and so on, for good (ViT-S on gradients accumulated with AdamW: one step in four
+/// online, the other three beside a shadow, which reads every step's record): now the next
+/// shadow starts later, and later again each time.
 #[test]
 fn a_scope_online_for_a_single_step_waits_before_its_next_shadow() {
     let name = "unit-online-once";

@@ -2604,8 +2604,7 @@ impl DeviceArena {
                     // gradients, more than [`MAX_ONLINE_PINS`]), ran one step in four online
                     // and the other three beside a shadow, for good. It counts as a shadow that
                     // held not enough less: the next starts later.
-                    self.shadow_wait = SHADOW_STEPS << self.shadow_misses.min(6);
-                    self.shadow_misses = self.shadow_misses.saturating_add(1);
+                    self.missed_shadow();
                 }
                 false
             }
@@ -2701,9 +2700,16 @@ impl DeviceArena {
             // two thirds of the host time of GPT-2's steps trained with micro-batches accumulated
             // (1.40 ms a step on the CPU, 0.49 ms without the shadow).
             self.shadow = None;
-            self.shadow_wait = SHADOW_STEPS << self.shadow_misses.min(6);
-            self.shadow_misses = self.shadow_misses.saturating_add(1);
+            self.missed_shadow();
         }
+    }
+
+    /// Counts a shadow that held not enough less than the plans (or put the scope online for a
+    /// single step): the next starts [`SHADOW_STEPS`] steps later, twice as late after each such
+    /// shadow (at most 64 times).
+    fn missed_shadow(&mut self) {
+        self.shadow_wait = SHADOW_STEPS << self.shadow_misses.min(6);
+        self.shadow_misses = self.shadow_misses.saturating_add(1);
     }
 
     /// Allocation `rec` of `size` aligned bytes of a step served online (see the `online`

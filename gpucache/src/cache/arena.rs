@@ -554,9 +554,17 @@ thread_local! {
     pub(crate) static SLABS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// The steps on this thread whose rest was placed again around arrays held over.
     pub(crate) static RESTS_KEPT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The allocations of planned caches on this thread that the hit path did not serve.
+    pub(crate) static SLOW_TAKES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 impl Pin {
+    /// Its home's `generation` and `slot`, which name it (the order `DeviceArena::pins_for`
+    /// keeps the pins in).
+    fn home(&self) -> (u32, u32) {
+        (self.step, self.slot)
+    }
+
     /// Whether the pin was made more than [`MAX_PIN_AGE`] steps before step `step`.
     fn is_old(&self, step: u32) -> bool {
         step.wrapping_sub(self.step) > MAX_PIN_AGE
@@ -639,11 +647,13 @@ impl Plan {
         if self.pins.is_empty() {
             return None;
         }
+        // By home, as `DeviceArena::pins_for` sorts them: an optimizer's step drops hundreds
+        // of gradients, each looked up among hundreds of pins.
         let k = self
             .pins
-            .iter()
-            .position(|p| p.step == home.generation && p.slot == home.slot)?;
-        Some(self.pins.swap_remove(k).range)
+            .binary_search_by_key(&(home.generation, home.slot), Pin::home)
+            .ok()?;
+        Some(self.pins.remove(k).range)
     }
 
     /// The positions' idle views go loose, at their offsets (within `loose_cap`; the others
@@ -2518,6 +2528,7 @@ impl DeviceArena {
                 range: offset..offset + bytes,
             });
         }
+        pins.sort_unstable_by_key(Pin::home);
         let bytes: usize = pins.iter().map(|p| p.range.len()).sum();
         let block = counts.block.bytes();
         // Many only when those pinned anew hold little of a block that can grow, or were made
@@ -3111,6 +3122,8 @@ impl CacheState {
 
     /// An allocation in a planned cache: from the plan, a spare, or a new block.
     fn planned(&mut self, st: &Counters, req: &Request<'_>) -> Planned {
+        #[cfg(test)]
+        SLOW_TAKES.with(|n| n.set(n.get() + 1));
         let Some(size) = aligned(req.bytes) else {
             // No block can hold it; the device will say so.
             return Planned::Alloc {

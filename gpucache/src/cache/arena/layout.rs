@@ -18,7 +18,10 @@
 //! step ends. Position k is served when it is not alive itself and its bytes overlap no overdue
 //! position's. That holds whatever the step does (an array kept alive, an escape, a drop the
 //! owner does not see), so a live array's memory is never handed out twice. The check is O(1)
-//! on a step that follows its plan (no overdue position), O(overdue) otherwise.
+//! on a step that follows its plan (no overdue position), O(overdue) otherwise. A step whose rest
+//! is placed again around the positions alive past their planned ends, each to the step's end
+//! ([`Layout::keep_rest`]), has them *cleared*: no position of that rest meets their bytes, so
+//! they are in no position's way until the step ends, and the check is O(1) again.
 //!
 //! A step that outgrows its plan may be served the rest of the way from the plan scaled, in a
 //! new block that holds none of its arrays ([`Layout::scale`]); its positions from there on may
@@ -280,6 +283,13 @@ pub(super) struct Layout {
     drops: u32,
     /// Positions alive past their planned end.
     overdue: Vec<u32>,
+    /// Positions alive past their planned end that the rest of the step, placed again around
+    /// them, keeps clear of ([`Layout::clear_overdue`]): in no position's way until the step
+    /// ends (then overdue again).
+    cleared: Vec<u32>,
+    /// The rest of the step was placed again around the positions held over too, each until
+    /// the step's end: one that comes to be alive past its planned end is cleared at once.
+    clears_held: bool,
     /// Bytes of the block that arrays of earlier steps hold, which the plan was not placed
     /// around: no position over them is served until they are free ([`Layout::block`]).
     blocked: Vec<std::ops::Range<usize>>,
@@ -700,6 +710,8 @@ impl Layout {
             in_order: true,
             drops: 0,
             overdue: Vec::new(),
+            cleared: Vec::new(),
+            clears_held: false,
             blocked: Vec::new(),
             cursor: 0,
             skipped: false,
@@ -859,7 +871,33 @@ impl Layout {
 
     #[inline]
     fn make_overdue(&mut self, p: u32) {
-        self.spots[p as usize].make_overdue(p, &mut self.overdue);
+        let s = &mut self.spots[p as usize];
+        let list = if self.clears_held && s.held_over() {
+            &mut self.cleared
+        } else {
+            &mut self.overdue
+        };
+        s.make_overdue(p, list);
+    }
+
+    /// The rest of the step was placed again around the positions alive past their planned
+    /// end, each until the step's end ([`Layout::alive_before`]; with `held`, around the
+    /// positions held over too, to the step's end: [`Layout::keep_rest`]): they are in no
+    /// position's way until then, and the step's next positions are served as if none were
+    /// overdue (by the hit path too, which serves none while one is). Gradients kept by the
+    /// first micro-batch of an optimizer step sent every allocation after the first kept one
+    /// down the slow path, which looked at each of them (ViT-S: 446 of 644 allocations, past
+    /// 152 gradients).
+    fn clear_overdue(&mut self, held: bool) {
+        self.cleared.append(&mut self.overdue);
+        self.clears_held = held;
+    }
+
+    /// The positions cleared ([`Layout::clear_overdue`]) are overdue again: the step ended, or
+    /// the layout is placed as it was before its rest was placed again.
+    fn unclear(&mut self) {
+        self.overdue.append(&mut self.cleared);
+        self.clears_held = false;
     }
 
     /// Matches the step's next allocation, of `size` aligned bytes and index `rec` in the
@@ -1207,6 +1245,7 @@ impl Layout {
         if s.overdue {
             s.overdue = false;
             self.overdue.retain(|&p| p != k);
+            self.cleared.retain(|&p| p != k);
         }
         s.rec
     }
@@ -1229,6 +1268,8 @@ impl Layout {
             s.overdue = false;
         }
         self.overdue.clear();
+        self.cleared.clear();
+        self.clears_held = false;
         self.blocked.clear();
     }
 
@@ -1649,6 +1690,7 @@ impl Layout {
             .collect();
         let footprint = plan.footprint.max(self.footprint);
         self.for_one_step(moved.into_iter(), footprint);
+        self.clear_overdue(true);
         Some(plan.footprint)
     }
 
@@ -1901,6 +1943,7 @@ impl Layout {
     /// The positions of `whole` back at their places in it.
     fn restore(&mut self, whole: Whole) {
         self.forget_growth();
+        self.unclear();
         for (k, offset, size) in whole.spots {
             let s = &mut self.spots[k];
             s.offset = offset;
@@ -2078,6 +2121,7 @@ impl Layout {
     /// nothing to look at: a position alive from an earlier step was made overdue when that
     /// step ended.
     pub(super) fn end_step(&mut self) -> bool {
+        self.unclear();
         if !self.in_order || self.drops != self.cursor {
             for (p, s) in self.spots.iter_mut().enumerate() {
                 s.make_overdue(p as u32, &mut self.overdue);

@@ -213,9 +213,12 @@
 //!   state made at the first optimizer step after micro-batches). The steps after follow the
 //!   plan placed around them rather than an earlier plan whose positions they would block. The
 //!   next micro-batches make the same gradients, add them in and drop them (the last then steps
-//!   the optimizer): those positions are *held over*, served in the block in every kind of step
-//!   (the first micro-batch, which keeps them, places the rest of its step again around them),
-//!   not from a device block each.
+//!   the optimizer): those positions are *held over*, served in the block in every kind of step,
+//!   not from a device block each. The step that drops the gradients has its plan made again,
+//!   around the arrays still alive, with those positions held to the step's end: the next first
+//!   micro-batch keeps its gradients where the one before did, and the plans of the cycle come
+//!   again (given again by the planner, their views with them). A first micro-batch whose plan
+//!   did not hold them so places the rest of its step again around them.
 //! * **A step larger than its plan, of another kind** (a training loop's evaluation step on a
 //!   larger batch, in the training step's scope: it begins as the training step larger, with no
 //!   backward pass after). A plan scaled for a step takes the block as it is and grows it only

@@ -54,6 +54,9 @@ pub(in crate::cache) struct Plan {
     /// The layout was placed around the pins it was made with (they may have dropped since):
     /// its arrangement is this block's of that moment.
     pub(super) around_pins: bool,
+    /// A pin made at a position held over ([`Pin::held`]) dropped this step (an optimizer's
+    /// step dropped the gradients).
+    pub(super) held_dropped: bool,
 }
 
 /// An array of a plan's block made before the plan (in the step the plan was made from, or
@@ -67,6 +70,9 @@ pub(in crate::cache) struct Pin {
     pub(super) slot: u32,
     /// Its aligned bytes in the block.
     pub(super) range: std::ops::Range<usize>,
+    /// Made at a position held over (see `layout::HeldOver`): a gradient kept by the first
+    /// micro-batch of an optimizer step.
+    pub(super) held: bool,
 }
 
 /// A plan of another kind of step than the current plan's, kept (without a block: the current
@@ -225,6 +231,12 @@ pub(in crate::cache) struct DeviceArena {
     pub(super) shadow_misses: u32,
     /// The step at whose end the scope last went online.
     pub(super) online_from: u32,
+    /// The last step dropped arrays pinned at positions held over ([`Plan::held_dropped`]).
+    pub(super) held_dropped_last: bool,
+    /// The step after the last that dropped arrays pinned at positions held over kept arrays at
+    /// positions held over: a first micro-batch after an optimizer's step, the steps' order
+    /// of a loop that accumulates gradients.
+    pub(super) kept_after_drop: bool,
     /// The sizes of the first allocations of the steps since the cache's cold start, while they
     /// are at most two.
     pub(super) firsts: Firsts,

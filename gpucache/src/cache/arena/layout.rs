@@ -331,6 +331,10 @@ pub(super) struct Layout {
     growth: Cell<Growth>,
     /// The sizes of the step the plan was made from, by position.
     recorded: Vec<usize>,
+    /// The positions held over to the step's end though the step the plan was made from
+    /// dropped their arrays within it (the step after an optimizer's keeps them:
+    /// [`Layout::held_over`]), each with the tick it dropped them at, by position.
+    dropped_at: Vec<(u32, u32)>,
     /// Plans in a row, this one the last, made from steps aligned with the plan before them that
     /// outgrew it ([`Layout::new_around`]).
     grew_in_a_row: u32,
@@ -671,6 +675,13 @@ impl Layout {
                 }
             })
             .collect();
+        let dropped_at = (0..n)
+            .zip(record)
+            .filter_map(|(k, r)| {
+                let held_to = held_over.get(k as usize).copied().flatten()?;
+                (r.end != OPEN && held_to > r.end).then_some((k, r.end))
+            })
+            .collect();
         let placed: Vec<u32> = (0..n).filter(|&k| !spots[k as usize].apart).collect();
         let lives: Vec<Lifetime> = placed
             .iter()
@@ -728,6 +739,7 @@ impl Layout {
             epoch: 0,
             growth: Cell::default(),
             recorded: record.iter().map(|r| r.bytes).collect(),
+            dropped_at,
             grew_in_a_row,
             grew_from,
             ahead: ahead.is_some(),
@@ -737,13 +749,23 @@ impl Layout {
 
     /// Which allocations of `record` the next plan holds over, within `budget` ([`HeldOver`]),
     /// each with the end it is planned to drop before: each that outlived the step at a position
-    /// this plan placed (its array pinned in the block now; the position's end), or dropped
-    /// within it at a position this plan held over or had outlive its step (its own end); none
-    /// when the step and the plan are not aligned as far as both go (the k-th allocation at
-    /// the k-th position: one may be longer, an optimizer's step after the backward pass), or
-    /// the step outgrew a position there (a step of other sizes, whose arrays kept past it are
-    /// another kind's: a decoder's keys and values of the encoder's output).
-    pub(super) fn held_over(&self, record: &[Rec], mut budget: HeldOver) -> Vec<Option<u32>> {
+    /// this plan placed (its array pinned in the block now; the position's end, or the tick the
+    /// step this plan was made from dropped it at, when the plan held it to its end all the
+    /// same), or dropped within it at a position this plan held over (with `to_end`, to the
+    /// step's end: the step dropped the arrays kept there before, and the next keeps them
+    /// again, a first micro-batch after an optimizer's step) or had outlive its step (its own
+    /// end); none when the step and the plan are not aligned as far as both go (the k-th
+    /// allocation at the k-th position: one may be longer, an optimizer's step after the
+    /// backward pass), or the step outgrew a position there (a step of other sizes, whose
+    /// arrays kept past it are another kind's: a decoder's keys and values of the encoder's
+    /// output).
+    pub(super) fn held_over(
+        &self,
+        record: &[Rec],
+        mut budget: HeldOver,
+        to_end: bool,
+    ) -> Vec<Option<u32>> {
+        let n = record.len() as u32;
         let common = record.len().min(self.spots.len());
         let fits = record
             .iter()
@@ -752,18 +774,26 @@ impl Layout {
         if !aligned_so_far(&record[..common]) || !fits {
             return Vec::new();
         }
-        record
-            .iter()
-            .zip(&self.spots)
-            .map(|(r, s)| {
+        (0..)
+            .zip(record.iter().zip(&self.spots))
+            .map(|(k, (r, s))| {
                 let end = if r.end == OPEN {
-                    s.placed().then_some(s.end)
+                    s.placed().then(|| self.dropped_end(k).unwrap_or(s.end))
+                } else if to_end && s.held_over() {
+                    Some(n)
                 } else {
                     (s.held_over() || s.is_state()).then_some(r.end)
                 };
                 end.filter(|_| budget.take(r.bytes))
             })
             .collect()
+    }
+
+    /// The tick the step this plan was made from dropped position `k`'s array at, if the plan
+    /// holds it over to the step's end all the same ([`Layout::dropped_at`]).
+    fn dropped_end(&self, k: u32) -> Option<u32> {
+        let i = self.dropped_at.binary_search_by_key(&k, |&(p, _)| p).ok()?;
+        Some(self.dropped_at[i].1)
     }
 
     /// The offsets of this plan that a plan of `spots` (made from a step aligned with it) may
@@ -2576,14 +2606,14 @@ mod tests {
         let first = Layout::new(&micro_batch(true), None);
         assert!(first.is_apart(1) && first.is_apart(3));
         let next = micro_batch(false);
-        let held = first.held_over(&next, room);
+        let held = first.held_over(&next, room, false);
         assert_eq!(held, [None, Some(2), None, Some(4), None, None]);
         let old = plan_held(&next, Some(&first), &held);
         assert!(old.is_held_over(1) && !old.is_apart(1) && old.spots[1].end == 2);
         // The first micro-batch of the next optimizer step keeps them: held over again, placed
         // where the plan before placed them, at its lifetimes.
         let kept = micro_batch(true);
-        let held = old.held_over(&kept, room);
+        let held = old.held_over(&kept, room, false);
         assert_eq!(held, [None, Some(2), None, Some(4), None, None]);
         let mut l = plan_held(&kept, Some(&old), &held);
         assert!(l.is_held_over(3) && !l.is_apart(3) && l.spots[3].end == 4);
@@ -2593,20 +2623,20 @@ mod tests {
             bytes: 1 << 20,
         };
         assert_eq!(
-            old.held_over(&kept, one),
+            old.held_over(&kept, one, false),
             [None, Some(2), None, None, None, None]
         );
         let shifted: Vec<Rec> = kept
             .iter()
             .map(|r| matched(r.bytes, r.end, r.planned + 1))
             .collect();
-        assert!(old.held_over(&shifted, room).is_empty());
+        assert!(old.held_over(&shifted, room, false).is_empty());
         // A step longer than the plan (a micro-batch that also steps the optimizer) or shorter
         // holds over as far as both go.
         let mut longer = kept.clone();
         longer.push(rec(512, 7));
-        assert_eq!(old.held_over(&longer, room), held);
-        assert_eq!(old.held_over(&kept[..3], room), held[..3]);
+        assert_eq!(old.held_over(&longer, room, false), held);
+        assert_eq!(old.held_over(&kept[..3], room, false), held[..3]);
         // A step that keeps the gradients: the first's bytes are a temporary's after its
         // planned end, where the step leaves the plan unless its rest is placed again.
         let a = serve_next(&mut l, 4096, 0);

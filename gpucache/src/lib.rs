@@ -218,7 +218,10 @@
 //!   around the arrays still alive, with those positions held to the step's end: the next first
 //!   micro-batch keeps its gradients where the one before did, and the plans of the cycle come
 //!   again (given again by the planner, their views with them). A first micro-batch whose plan
-//!   did not hold them so places the rest of its step again around them.
+//!   did not hold them so places the rest of its step again around them. A first micro-batch
+//!   that ends before its plan (the last micro-batch's, which went on to the optimizer's step)
+//!   is planned from that plan's step, around the gradients it keeps: the micro-batches after
+//!   it and the optimizer's step follow one plan to its end.
 //! * **A step larger than its plan, of another kind** (a training loop's evaluation step on a
 //!   larger batch, in the training step's scope: it begins as the training step larger, with no
 //!   backward pass after). A plan scaled for a step takes the block as it is and grows it only

@@ -732,8 +732,10 @@ fn a_block_is_kept_under_an_optimizers_state_made_after_the_first_step() {
 /// The next micro-batches make the same gradients, add them in and drop them: the same
 /// allocations, which the plan made from the first micro-batch had apart, so that each took a
 /// block of the device at every optimizer step (ResNet-50: ten). Held over, they are served in
-/// the block; the first micro-batch, which keeps them, places the rest of its step again around
-/// them, and once the block has grown to both kinds of micro-batch, no step needs the device.
+/// the block; the first micro-batch, which keeps them, follows a plan that holds them to its
+/// end (made at the end of the optimizer's step, which dropped them), and the micro-batches
+/// after it follow the last one's plan, made from that step, to their ends; once the block has
+/// grown to both kinds of micro-batch, no step needs the device.
 /// Micro-batch `k` of a loop that accumulates gradients over four, in scope `name`: eight
 /// activations of 1 MiB, a backward pass (a chain of 1 MiB arrays, five gradients of 32 KiB
 /// after each: kept in `grads` at the first micro-batch, made where the plan has other arrays,
@@ -806,12 +808,12 @@ fn gradients_accumulated_over_micro_batches_keep_the_block() {
     for k in 12..32 {
         let slow0 = slow();
         step(k);
-        // Each micro-batch follows its plan, the hit path serving all but its first
-        // allocation: the first holds its gradients to the step's end (made so at the end of
-        // the optimizer's step, which dropped them), none past its planned end.
-        if k % 4 != 3 {
-            assert_eq!(slow() - slow0, 1, "step {k}: allocations on the slow path");
-        }
+        // Each step follows its plan, the hit path serving all but its first allocation: the
+        // first micro-batch's holds its gradients to the step's end (made so at the end of the
+        // optimizer's step, which dropped them), none past its planned end; the plan of the
+        // micro-batches after it is the last one's, made from that step (the first ended
+        // before it), which the optimizer's step follows to its end.
+        assert_eq!(slow() - slow0, 1, "step {k}: allocations on the slow path");
     }
     assert_eq!(
         kept() - kept0,

@@ -329,8 +329,8 @@ pub(super) struct Layout {
     epoch: u32,
     /// How far [`Layout::growth`] has read the step's record, and what it found there.
     growth: Cell<Growth>,
-    /// The sizes of the step the plan was made from, by position.
-    recorded: Vec<usize>,
+    /// The step the plan was made from, its k-th allocation matched with position k.
+    made_from: Vec<Rec>,
     /// The positions held over to the step's end though the step the plan was made from
     /// dropped their arrays within it (the step after an optimizer's keeps them:
     /// [`Layout::held_over`]), each with the tick it dropped them at, by position.
@@ -583,11 +583,11 @@ impl Layout {
     ///
     /// A step aligned with `old` in which at most a [`MOVED_AT_MOST`]th of the positions changed
     /// (their size or planned end) keeps the others at their offsets in `old`, and only those
-    /// that changed are placed, among them ([`planner::around_kept`]), when that plan holds at
-    /// most a [`KEPT_SLACK`]th of `high` more than the bound at which the planner stops trying
-    /// (else the step is planned from scratch). A decoder's attention grows with the tokens, a
-    /// few of its arrays (T5's: 18-36 of 263), and each such plan made from scratch took 114-124
-    /// µs of its step's end on the CPU in the planner alone; kept so, the whole layout took
+    /// that changed are placed, among them ([`planner::Learned::around_kept`]), when that plan
+    /// holds at most a [`KEPT_SLACK`]th of `high` more than the bound at which the planner stops
+    /// trying (else the step is planned from scratch). A decoder's attention grows with the
+    /// tokens, a few of its arrays (T5's: 18-36 of 263), and each such plan made from scratch took
+    /// 114-124 µs of its step's end on the CPU in the planner alone; kept so, the whole layout took
     /// 40-47 µs, every one within the slack, and the positions kept keep the views made at their
     /// offsets. (Within the bound alone, two of T5's seven such plans were kept: its grown arrays
     /// are the step's largest, placed at the top of the others.)
@@ -616,7 +616,7 @@ impl Layout {
             Some(o) => (
                 o.grew_in_a_row.saturating_add(1),
                 if o.grew_in_a_row == 0 {
-                    o.recorded.clone()
+                    o.made_from.iter().map(|r| r.bytes).collect()
                 } else {
                     o.grew_from.clone()
                 },
@@ -692,7 +692,7 @@ impl Layout {
         let plan = aligned_with
             .filter(|o| !o.one_step())
             .and_then(|o| o.kept_in(&spots, &placed, taken))
-            .and_then(|kept| planner::around_kept(&lives, &kept, taken, high / KEPT_SLACK))
+            .and_then(|kept| learned.around_kept(&lives, &kept, taken, high / KEPT_SLACK))
             .unwrap_or_else(|| learned.plan(&lives, taken, room));
         for (&k, offset) in placed.iter().zip(plan.offsets) {
             spots[k as usize].offset = offset;
@@ -738,7 +738,10 @@ impl Layout {
             unscaled: None,
             epoch: 0,
             growth: Cell::default(),
-            recorded: record.iter().map(|r| r.bytes).collect(),
+            made_from: (0..)
+                .zip(record)
+                .map(|(k, r)| Rec { planned: k, ..*r })
+                .collect(),
             dropped_at,
             grew_in_a_row,
             grew_from,
@@ -2135,6 +2138,22 @@ impl Layout {
                             r.bytes <= s.size
                         }
                 })
+    }
+
+    /// Whether the step recorded as `record` made the allocations of the step the plan was made
+    /// from, of the same sizes in the same order, as far as both go (one may go on).
+    pub(super) fn same_sizes(&self, record: &[Rec]) -> bool {
+        self.made_from
+            .iter()
+            .zip(record)
+            .all(|(m, r)| m.bytes == r.bytes)
+    }
+
+    /// The step the plan was made from, as recorded (its k-th allocation matched with position
+    /// k): a step that follows the plan as far as it goes, and ends before it, is likely to be
+    /// followed by one such as this (see `DeviceArena::end_step`).
+    pub(super) fn made_from(&self) -> &[Rec] {
+        &self.made_from
     }
 
     /// Whether the step so far matched every position of the plan, skipping none.

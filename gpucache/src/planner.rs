@@ -614,9 +614,14 @@ impl Learned {
     }
 }
 
+/// Hash `h` with `v` mixed in (FxHash's step): fingerprints of plans and layouts, compared
+/// before what they stand for.
+pub(crate) fn mix(h: u64, v: u64) -> u64 {
+    (h.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95)
+}
+
 /// A hash of `lives` (equal lifetimes, equal hashes), which tells most that differ apart at once.
 fn fingerprint(lives: &[Lifetime]) -> u64 {
-    let mix = |h: u64, v: u64| (h.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95);
     lives.iter().fold(lives.len() as u64, |h, l| {
         let h = mix(h, l.bytes as u64);
         mix(h, (u64::from(l.start) << 32) | u64::from(l.end))

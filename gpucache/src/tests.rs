@@ -4,7 +4,7 @@
 use crate::backend::VIEWS_MADE;
 use crate::cache::{
     MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, RESTS_KEPT, ROOMS_HELD, SHADOWED_STEPS,
-    SHELVED_MOST, SLAB_BYTES, SLABS_MADE, SLOW_TAKES,
+    SHELVED_MOST, SLAB_BYTES, SLABS_MADE, SLOW_TAKES, VIEWS_SOUGHT,
 };
 use std::sync::Arc;
 
@@ -805,9 +805,16 @@ fn gradients_accumulated_over_micro_batches_keep_the_block() {
     let kept = || RESTS_KEPT.with(std::cell::Cell::get);
     let kept0 = kept();
     let slow = || SLOW_TAKES.with(std::cell::Cell::get);
+    let sought = || VIEWS_SOUGHT.with(std::cell::Cell::get);
     for k in 12..32 {
-        let slow0 = slow();
+        let (slow0, sought0) = (slow(), sought());
         step(k);
+        // The plans of the cycle come again, and with them their positions' views, stashed
+        // when each gave way to the next: only the first micro-batch's gradients look for
+        // theirs, gone loose when the optimizer's step dropped the arrays that had them (every
+        // position of the steps planned again looked, before).
+        let wanted = if k % 4 == 0 { 40 } else { 0 };
+        assert_eq!(sought() - sought0, wanted, "step {k}: views looked for");
         // Each step follows its plan, the hit path serving all but its first allocation: the
         // first micro-batch's holds its gradients to the step's end (made so at the end of the
         // optimizer's step, which dropped them), none past its planned end; the plan of the

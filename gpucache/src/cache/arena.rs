@@ -562,6 +562,9 @@ thread_local! {
     pub(crate) static RESTS_KEPT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// The allocations of planned caches on this thread that the hit path did not serve.
     pub(crate) static SLOW_TAKES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The positions on this thread whose array found no view kept for the position (it looked
+    /// among the loose views, or made one).
+    pub(crate) static VIEWS_SOUGHT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 impl Pin {
@@ -675,19 +678,23 @@ impl Plan {
         }
     }
 
-    /// The positions' idle views are stashed for the layout ([`Loose::stash`]), which is
-    /// about to be shelved while the block stays: switched in again, it takes them back
-    /// ([`Plan::unstash_views`]).
+    /// The positions' idle views are stashed for the layout's arrangement ([`Loose::stash`],
+    /// by [`Layout::offsets_key`]), which is about to give way to another while the block stays
+    /// (shelved, made again, or its rest placed again): a layout of that arrangement that takes
+    /// the block later (switched in again, or made again as it was: a plan given again) takes
+    /// them back ([`Plan::unstash_views`]). Steps that take turns (micro-batches) make the same
+    /// few layouts again and again: gone loose, each view was parked at the step's end and found
+    /// again at its position's first array, two hash lookups a position every step.
     fn stash_views(&mut self) {
         let views = idle_views(&mut self.views, &self.layout).collect();
-        self.loose.stash(self.layout.id(), views);
+        self.loose.stash(self.layout.offsets_key(), views);
     }
 
-    /// The idle views stashed for the layout just switched in ([`Plan::stash_views`]) are its
-    /// positions' again, each where its position still starts at the offset it was made at
-    /// (else loose, at that offset).
+    /// The idle views stashed for the arrangement of the layout just taken ([`Plan::stash_views`])
+    /// are its positions' again, each where its position still starts at the offset it was made
+    /// at (else loose, at that offset).
     fn unstash_views(&mut self) {
-        let Some(stashed) = self.loose.unstash(self.layout.id()) else {
+        let Some(stashed) = self.loose.unstash(self.layout.offsets_key()) else {
             return;
         };
         for (k, offset, view) in stashed {
@@ -1182,6 +1189,10 @@ fn idle_or_new_view(
     offset: usize,
     bytes: usize,
 ) -> Result<Block> {
+    #[cfg(test)]
+    if kept.is_none() {
+        VIEWS_SOUGHT.with(|n| n.set(n.get() + 1));
+    }
     match kept.or_else(|| loose.unpark(offset)) {
         Some(view) if view.spans(bytes) => Ok(view),
         short => {
@@ -3072,7 +3083,7 @@ impl DeviceArena {
             let mut room = None;
             let block = match old {
                 Some(mut old) => {
-                    old.loosen_views();
+                    old.stash_views();
                     loose = Some(old.take_loose());
                     // Arrays alive in the block that are not all to be pinned: unless it is
                     // given back or kept, it is retired under them, with its free bytes a room.
@@ -3139,6 +3150,7 @@ impl DeviceArena {
             }
             if let Some(loose) = loose {
                 plan.adopt_loose(loose);
+                plan.unstash_views();
             }
             self.plan = Some(plan);
         } else if tainted && let Some(plan) = &mut self.plan {

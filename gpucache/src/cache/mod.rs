@@ -48,7 +48,7 @@ pub(crate) use arena::slab::SLAB_BYTES;
 #[cfg(test)]
 pub(crate) use arena::{
     MAX_SHELVED_POSITIONS, ONLINE_STEPS, PLANS_MADE, RESTS_KEPT, ROOMS_HELD, SHADOWED_STEPS,
-    SHELVED_MOST, SLABS_MADE, SLOW_TAKES,
+    SHELVED_MOST, SLABS_MADE, SLOW_TAKES, VIEWS_SOUGHT,
 };
 pub(crate) mod counters;
 #[cfg(feature = "tracing")]

@@ -148,9 +148,6 @@ const MOVED_AT_MOST: usize = 4;
 /// footprint).
 const KEPT_SLACK: usize = 64;
 
-/// The id of the next layout made ([`Layout::id`]).
-static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
 /// One allocation of a step as recorded: its aligned size, the tick before which it dropped
 /// ([`OPEN`] while alive), and the plan's position it was matched with ([`NONE`] if none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -343,8 +340,6 @@ pub(super) struct Layout {
     grew_from: Vec<usize>,
     /// Its positions have room for their growth to go on ([`growth_ahead`]).
     ahead: bool,
-    /// Unique among the layouts made (see [`Layout::id`]).
-    id: u64,
 }
 
 /// What [`Layout::growth`] found in the first `read` allocations of the step's record. A
@@ -746,7 +741,6 @@ impl Layout {
             grew_in_a_row,
             grew_from,
             ahead: ahead.is_some(),
-            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -853,10 +847,18 @@ impl Layout {
             .is_some_and(|s| !s.apart && s.offset + s.size / 2 > self.footprint / 2)
     }
 
-    /// The layout's id, which no other layout made in the process has: the key of its idle
-    /// views while it is shelved (`Loose::stash`).
-    pub(super) fn id(&self) -> u64 {
-        self.id
+    /// A hash of the layout's arrangement: every position's offset, in order (equal for two
+    /// layouts that place every position alike). The key of its positions' idle views while
+    /// they are stashed (`Loose::stash`).
+    pub(super) fn offsets_key(&self) -> u64 {
+        let at = |s: &Spot| {
+            if s.placed() {
+                s.offset as u64
+            } else {
+                u64::MAX
+            }
+        };
+        (self.spots.iter()).fold(self.spots.len() as u64, |h, s| planner::mix(h, at(s)))
     }
 
     /// The number of positions.

@@ -17,9 +17,11 @@
 //! offsets of the first steps for good: Keypoint R-CNN's long run, served online, made a new
 //! view for half of its arrays, 21,935 of 43,097; 11,239 now. See BENCHMARKS.md.)
 //!
-//! The positions' views of a layout shelved while the block stays (a kind of step that takes
-//! turns with another on the block) are *stashed* apart, by position, for that layout alone
-//! ([`Loose::stash`]): switched in again, it takes them back at once, with no hash lookup each.
+//! The positions' views of a layout that gives way to another while the block stays (shelved for
+//! a kind of step that takes turns with another on the block, or made again at a step's end) are
+//! *stashed* apart, by position, for that arrangement alone ([`Loose::stash`], keyed by a hash of
+//! the layout's offsets): a layout of the same arrangement that takes the block later (switched
+//! in again, or a plan given again) takes them back at once, with no hash lookup each.
 
 use hashbrown::HashMap;
 use smallvec::SmallVec;
@@ -34,7 +36,7 @@ pub(super) type Stashed = Vec<(u32, usize, Block)>;
 pub(in crate::cache) struct Loose {
     at: HashMap<usize, Idle>,
     /// The idle views of the positions of layouts shelved while the block stays (see
-    /// [`Loose::stash`]), the most recently stashed last: the layout's id, and its views.
+    /// [`Loose::stash`]), the most recently stashed last: the arrangement's key, and its views.
     stashed: Vec<(u64, Stashed)>,
     /// The views in `at`.
     len: usize,
@@ -112,8 +114,8 @@ impl Loose {
     }
 
     /// Keeps the idle views of a layout's positions, `views` (each with its position and the
-    /// offset it was made at), for the layout of id `layout` when it is switched in again on
-    /// the same block ([`Loose::unstash`]): parked one by one, each view went into the map, and
+    /// offset it was made at), for a layout of the arrangement `layout` (its key) that takes the
+    /// same block again ([`Loose::unstash`]): parked one by one, each view went into the map, and
     /// came out again at the layout's next step, where a step of one of the kinds that take
     /// turns on a block (a batch size that comes again) switched every step (Swin-T trained on
     /// a varying batch: about a thousand positions a switch, two hash lookups each). The
@@ -122,7 +124,7 @@ impl Loose {
         if views.is_empty() {
             return;
         }
-        // Views stashed for the layout before (it was not switched in since) go loose.
+        // Views stashed for the arrangement before (none took it since) go loose.
         if let Some(before) = self.unstash(layout) {
             self.park_all(before);
         }
@@ -140,7 +142,7 @@ impl Loose {
         }
     }
 
-    /// The views [`Loose::stash`] kept for the layout of id `layout`, if any.
+    /// The views [`Loose::stash`] kept for the arrangement `layout` (its key), if any.
     pub(super) fn unstash(&mut self, layout: u64) -> Option<Stashed> {
         let i = self.stashed.iter().position(|(id, _)| *id == layout)?;
         Some(self.stashed.remove(i).1)

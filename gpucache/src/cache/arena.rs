@@ -3153,6 +3153,10 @@ impl DeviceArena {
                 plan.unstash_views();
             }
             self.plan = Some(plan);
+            // The step as it was, for the shadow that may measure it (`weigh_online`).
+            if let Some(own) = own_record {
+                self.record = own;
+            }
         } else if tainted && let Some(plan) = &mut self.plan {
             plan.tainted = false;
             if let Some((b, in_use)) = plan.take_block() {

@@ -495,23 +495,25 @@ impl Learned {
     /// [`greedy_by_size_from`] with the hint and `room`, or the plan made last for the same
     /// `lives` and ranges `taken` (whatever the room).
     pub(crate) fn plan(&self, lives: &[Lifetime], taken: &[Range<usize>], room: usize) -> Plan {
-        self.recall(
-            lives,
-            |a| matches!(a, Around::Taken(t) if t == taken),
-            || Around::Taken(taken.to_vec()),
-            || greedy_by_size_from(lives, taken, &self.hint, room),
-        )
+        let same = |a: &Around| matches!(a, Around::Taken(t) if t == taken);
+        let make = || {
+            let plan = greedy_by_size_from(lives, taken, &self.hint, room);
+            (plan, Around::Taken(taken.to_vec()))
+        };
+        self.recall(lives, same, make).0
     }
 
     /// [`greedy_by_size_among`], or the plan made last for the same `lives` among the same
     /// arrays `placed`.
     pub(crate) fn plan_among(&self, lives: &[Lifetime], placed: &[(Lifetime, usize)]) -> Plan {
-        self.recall(
-            lives,
-            |a| matches!(a, Around::Placed(p) if p == placed),
-            || Around::Placed(placed.to_vec()),
-            || greedy_by_size_among(lives, placed),
-        )
+        let same = |a: &Around| matches!(a, Around::Placed(p) if p == placed);
+        let make = || {
+            (
+                greedy_by_size_among(lives, placed),
+                Around::Placed(placed.to_vec()),
+            )
+        };
+        self.recall(lives, same, make).0
     }
 
     /// [`kept_plan`] within `slack` ([`within_slack`]), the plan the one made last for the same
@@ -541,70 +543,47 @@ impl Learned {
         make: impl FnOnce() -> (Plan, usize),
     ) -> (Plan, usize) {
         let same = |a: &Around| matches!(a, Around::Kept(k, t, _) if k == kept && t == taken);
-        if let Some(found) = self.recalled(lives, same) {
-            return found;
-        }
-        let (plan, within) = make();
-        let around = Around::Kept(kept.to_vec(), taken.to_vec(), within);
-        self.keep(lives, around, plan.clone());
-        (plan, within)
+        self.recall(lives, same, || {
+            let (plan, within) = make();
+            (plan, Around::Kept(kept.to_vec(), taken.to_vec(), within))
+        })
     }
 
-    /// The plan kept for `lives` and what `same` tells (the newest again), else one `make`s,
-    /// kept with `around`'s inputs in place of the oldest.
+    /// The plan kept for `lives` and what `same` tells (the newest again), else the one `make`
+    /// gives with what it was placed for, kept in place of the oldest; with the bound of a try
+    /// at keeping offsets ([`Around::bound`]). The lifetimes are compared only with those of the
+    /// plans of their fingerprint: the plans kept are mostly of the same arrays in other
+    /// arrangements, and each comparison of a thousand lifetimes went most of the way.
     fn recall(
         &self,
         lives: &[Lifetime],
         same: impl Fn(&Around) -> bool,
-        around: impl FnOnce() -> Around,
-        make: impl FnOnce() -> Plan,
-    ) -> Plan {
-        if let Some((plan, _)) = self.recalled(lives, same) {
-            return plan;
-        }
-        let plan = make();
-        self.keep(lives, around(), plan.clone());
-        plan
-    }
-
-    /// The plan kept for `lives` and what `same` tells, if any, with what it was placed for
-    /// (the bound of a try at keeping offsets): the newest again. The lifetimes are compared
-    /// only with those of the plans of their fingerprint: the plans kept are mostly of the same
-    /// arrays in other arrangements, and each comparison of a thousand lifetimes went most of
-    /// the way.
-    fn recalled(
-        &self,
-        lives: &[Lifetime],
-        same: impl Fn(&Around) -> bool,
-    ) -> Option<(Plan, usize)> {
+        make: impl FnOnce() -> (Plan, Around),
+    ) -> (Plan, usize) {
         let key = fingerprint(lives);
         let mut recent = self.recent.take();
-        let found = recent
+        let made = match recent
             .iter()
             .position(|m| m.key == key && m.lives == lives && same(&m.around))
-            .map(|i| {
-                let made = recent.remove(i);
-                let found = (made.plan.clone(), made.around.bound());
-                recent.push(made);
-                found
-            });
+        {
+            Some(i) => recent.remove(i),
+            None => {
+                if recent.len() == RECENT {
+                    recent.remove(0);
+                }
+                let (plan, around) = make();
+                Made {
+                    key,
+                    lives: lives.to_vec(),
+                    around,
+                    plan,
+                }
+            }
+        };
+        let found = (made.plan.clone(), made.around.bound());
+        recent.push(made);
         self.recent.set(recent);
         found
-    }
-
-    /// Keeps `plan`, placed for `lives` and `around`, in place of the oldest.
-    fn keep(&self, lives: &[Lifetime], around: Around, plan: Plan) {
-        let mut recent = self.recent.take();
-        if recent.len() == RECENT {
-            recent.remove(0);
-        }
-        recent.push(Made {
-            key: fingerprint(lives),
-            lives: lives.to_vec(),
-            around,
-            plan,
-        });
-        self.recent.set(recent);
     }
 
     /// Forgets the hint and the plans (a cold start).
@@ -1560,15 +1539,15 @@ mod tests {
         let made = Cell::new(0);
         // Each input's plan through `recall`, counting those made.
         let taken_plan = |lives: &[Lifetime], taken: &[Range<usize>]| {
-            learned.recall(
-                lives,
-                |a| matches!(a, Around::Taken(t) if t == taken),
-                || Around::Taken(taken.to_vec()),
-                || {
-                    made.set(made.get() + 1);
-                    greedy_by_size_around(lives, taken)
-                },
-            )
+            let same = |a: &Around| matches!(a, Around::Taken(t) if t == taken);
+            let make = || {
+                made.set(made.get() + 1);
+                (
+                    greedy_by_size_around(lives, taken),
+                    Around::Taken(taken.to_vec()),
+                )
+            };
+            learned.recall(lives, same, make).0
         };
         let inputs: Vec<(Vec<Lifetime>, Vec<Range<usize>>)> = (0..RECENT + 1)
             .map(|i| {

@@ -2840,6 +2840,15 @@ impl DeviceArena {
             followed = plan.layout.end_step();
             // An array kept at a position held over: pinned by the next plan.
             let kept = plan.layout.kept_held_over();
+            // One pinned so that dropped: see below; planned again for it alone when the step
+            // made the sizes the plan was made from (a fixed-shape loop, whose plans may come
+            // again: with sizes that vary, a plan made from scratch every optimizer step).
+            held_dropped = std::mem::take(&mut plan.held_dropped);
+            // Both ask whether the step made its plan's sizes (its record read for it).
+            let sized = (kept || held_dropped) && !self.diverged && {
+                settle_record(&mut self.record, self.tick, &plan.layout);
+                plan.layout.same_sizes(&self.record)
+            };
             // A step that followed its plan, in its sizes, and ended before it (a first
             // micro-batch, where the plan's step went on to the optimizer's), planned again for
             // the arrays it kept alone: the next step, of the plan's kind (the micro-batch
@@ -2850,8 +2859,8 @@ impl DeviceArena {
             // Not when what the plan's step made past this one's end outlived it (the first
             // optimizer step makes the state, which the next ones find alive).
             as_made = kept
+                && sized
                 && !self.replan
-                && !self.diverged
                 && !self.scaled
                 && followed
                 && !to_end
@@ -2859,20 +2868,9 @@ impl DeviceArena {
                     .layout
                     .made_from()
                     .get(n as usize..)
-                    .is_some_and(|rest| !rest.is_empty() && rest.iter().all(|r| r.end != OPEN))
-                && {
-                    settle_record(&mut self.record, self.tick, &plan.layout);
-                    plan.layout.same_sizes(&self.record)
-                };
+                    .is_some_and(|rest| !rest.is_empty() && rest.iter().all(|r| r.end != OPEN));
             self.replan |= kept;
-            // One pinned so that dropped: see below; planned again for it alone when the step
-            // made the sizes the plan was made from (a fixed-shape loop, whose plans may come
-            // again: with sizes that vary, a plan made from scratch every optimizer step).
-            held_dropped = std::mem::take(&mut plan.held_dropped);
-            replan_dropped = held_dropped && !self.diverged && {
-                settle_record(&mut self.record, self.tick, &plan.layout);
-                plan.layout.same_sizes(&self.record)
-            };
+            replan_dropped = held_dropped && sized;
             if self.held_dropped_last {
                 self.kept_after_drop = kept;
             }
